@@ -1,0 +1,264 @@
+"""A Llama-architecture decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU, and a
+static KV cache that is updated in place so torch.compile and CUDA graphs can replay every decode step."""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - n % k
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    n_layer: int = 32
+    n_head: int = 32
+    n_kv_head: int = -1  # -1: one KV head per query head (MHA); 1 is MQA, in between is GQA
+    dim: int = 4096
+    head_dim: int = -1  # -1: dim // n_head
+    intermediate_size: int = -1  # -1: Llama's rule, 2/3 of 4*dim rounded up to a multiple of 256
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_kv_head == -1:
+            self.n_kv_head = self.n_head
+        if self.head_dim == -1:
+            self.head_dim = self.dim // self.n_head
+        if self.intermediate_size == -1:
+            self.intermediate_size = find_multiple(int(2 * 4 * self.dim / 3), 256)
+        sizes = (self.vocab_size, self.n_layer, self.n_head, self.n_kv_head, self.dim, self.head_dim,
+                 self.intermediate_size, self.max_seq_len)
+        if min(sizes) < 1:
+            raise ValueError(f"model sizes must be positive: {self}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        """A named config, or the longest one whose name a checkpoint name contains ("meta-llama/Llama-2-7b-chat-hf")."""
+        hits = [k for k in transformer_configs if k.lower() in name.lower()]
+        if not hits:
+            raise ValueError(f"unknown model {name!r}; known: {', '.join(transformer_configs)}")
+        return cls(**transformer_configs[max(hits, key=len)])
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        """Any Llama-architecture Hugging Face config.json (transformers 4 or 5 layout)."""
+        if cfg.get("model_type") not in ("llama", "mistral"):
+            raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Llama-architecture model")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError("biases or a non-SiLU activation are not part of the Llama architecture")
+        missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
+                   if k not in cfg]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+        scaling = cfg.get("rope_scaling") or rope
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope scaling {rope_type!r} is not supported (only Llama-3.1 'llama3')")
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        max_seq_len = cfg.get("max_position_embeddings", 2048)
+        if cfg.get("sliding_window"):  # no sliding-window attention here, so stay within the window where it is exact
+            max_seq_len = min(max_seq_len, cfg["sliding_window"])
+        n_head = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
+            n_kv_head=cfg.get("num_key_value_heads") or n_head, dim=cfg["hidden_size"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, intermediate_size=cfg["intermediate_size"],
+            rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling={k: scaling[k] for k in keys} if rope_type == "llama3" else None,
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=max_seq_len,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+_llama31_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_llama32_scaling = dict(_llama31_scaling, factor=32.0)
+transformer_configs = {
+    "Llama-2-7b": dict(n_layer=32, n_head=32, dim=4096, max_seq_len=4096),
+    "Llama-2-13b": dict(n_layer=40, n_head=40, dim=5120, max_seq_len=4096),
+    "Llama-2-70b": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, max_seq_len=4096),
+    "CodeLlama-7b": dict(n_layer=32, n_head=32, dim=4096, vocab_size=32016, rope_base=1e6, max_seq_len=16384),
+    "CodeLlama-34b": dict(n_layer=48, n_head=64, n_kv_head=8, dim=8192, intermediate_size=22016, rope_base=1e6,
+                          max_seq_len=16384),
+    "Mistral-7B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, max_seq_len=4096),
+    "Llama-3-8B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, vocab_size=128256,
+                       rope_base=500000.0, max_seq_len=8192),
+    "Llama-3-70B": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, vocab_size=128256,
+                        rope_base=500000.0, max_seq_len=8192),
+    "Llama-3.1-8B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, vocab_size=128256,
+                         rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama31_scaling),
+    "Llama-3.1-70B": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, vocab_size=128256,
+                          rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama31_scaling),
+    "Llama-3.1-405B": dict(n_layer=126, n_head=128, n_kv_head=8, dim=16384, intermediate_size=53248, vocab_size=128256,
+                           rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama31_scaling),
+    "Llama-3.2-1B": dict(n_layer=16, n_head=32, n_kv_head=8, dim=2048, head_dim=64, intermediate_size=8192,
+                         vocab_size=128256, rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama32_scaling,
+                         tie_embeddings=True),
+    "Llama-3.2-3B": dict(n_layer=28, n_head=24, n_kv_head=8, dim=3072, head_dim=128, intermediate_size=8192,
+                         vocab_size=128256, rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama32_scaling,
+                         tie_embeddings=True),
+    "TinyLlama-1.1B": dict(n_layer=22, n_head=32, n_kv_head=4, dim=2048, intermediate_size=5632),
+}
+
+
+def precompute_freqs_cis(seq_len: int, head_dim: int, base: float, scaling: Optional[dict] = None,
+                         device=None) -> Tensor:  # -> [seq_len, head_dim // 2, 2] (cos, sin), float32
+    freqs = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling:  # Llama-3.1: slow the low frequencies down by `factor`, keep the high ones, blend in between
+        old_len, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / freqs
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        freqs = (1 - smooth) * freqs / factor + smooth * freqs
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:  # x [B, S, H, D], freqs_cis [B|1, S, D/2, 2]
+    # rotate in float32: cos/sin at large positions need more precision than bf16 has
+    xs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]: interleaved pairs, Meta's layout
+    cos, sin = freqs_cis[:, :, None, :, 0], freqs_cis[:, :, None, :, 1]
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()  # the mean of squares overflows or loses precision in 16-bit
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (max_batch_size, n_kv_head, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):  # input_pos [S], k/v [B, H_kv, S, D]
+        # written in place at fixed addresses: the step's shapes never change, so a CUDA graph can replay it
+        k_out, v_out = self.k_cache[: k.size(0)], self.v_cache[: k.size(0)]
+        k_out[:, :, input_pos] = k
+        v_out[:, :, input_pos] = v
+        return k_out, v_out  # [B, H_kv, max_seq_length, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
+        # one fused matmul for q, k and v: a single pass over the input instead of three
+        self.wqkv = nn.Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
+        B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, max_seq_length] or None for plain causal
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs_cis)
+        k = apply_rotary_emb(k.view(B, S, self.n_kv_head, self.head_dim), freqs_cis)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if input_pos is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+        # enable_gqa lets several query heads share a KV head without copying the cache n_head/n_kv_head times
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_head != self.n_kv_head)
+        return self.wo(y.transpose(1, 2).reshape(B, S, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("freqs_cis", None, persistent=False)
+        self.max_batch_size = self.max_seq_length = 0
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int):
+        """Preallocate the KV cache and the RoPE table once; calling again with new sizes replaces both."""
+        if not 0 < max_seq_length <= self.args.max_seq_len:
+            raise ValueError(f"max_seq_length {max_seq_length} is outside the model's 1..{self.args.max_seq_len}")
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
+        for layer in self.layers:
+            layer.attention.kv_cache = None  # free the old cache before allocating the new one
+            layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_length,
+                                               self.args.head_dim, dtype, device)
+        self.freqs_cis = precompute_freqs_cis(max_seq_length, self.args.head_dim, self.args.rope_base,
+                                              self.args.rope_scaling, device)
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+
+    def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None) -> Tensor:
+        """idx [B, S] token ids -> logits [B, S, vocab].
+
+        With input_pos [S] (cache slots), attend through the KV cache; left_pad [B] counts each row's leading pad
+        tokens, which are masked out and shift that row's RoPE positions so it sees exactly what it would alone.
+        Without input_pos, run plain causal attention over idx and touch no cache (training, perplexity)."""
+        if input_pos is None:
+            freqs_cis = precompute_freqs_cis(idx.size(1), self.args.head_dim, self.args.rope_base,
+                                             self.args.rope_scaling, idx.device)[None]
+            mask = None
+        else:
+            pos = input_pos[None] if left_pad is None else (input_pos[None] - left_pad[:, None]).clamp(min=0)
+            freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
+            mask = self.cache_mask(input_pos, left_pad)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, freqs_cis, mask, input_pos)
+        return self.output(self.norm(x))
+
+    def cache_mask(self, input_pos: Tensor, left_pad: Optional[Tensor]) -> Tensor:  # -> [B|1, 1, S, max_seq_length]
+        # built from input_pos each call rather than sliced from an [L, L] table: that table is 17 GB at L = 128k
+        slots = torch.arange(self.max_seq_length, device=input_pos.device)
+        mask = slots <= input_pos[:, None]  # [S, L] causal over cache slots
+        if left_pad is not None:
+            # hide each row's pad slots; a pad query still sees itself, so no softmax row is empty (that gives NaN)
+            mask = mask & ((slots >= left_pad[:, None, None]) | (slots == input_pos[:, None]))  # [B, S, L]
+        return mask[:, None] if mask.dim() == 3 else mask[None, None]

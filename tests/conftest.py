@@ -1,0 +1,45 @@
+"""Session-scoped tiny tokenizer files, shared by tests that need a real tokenizer."""
+import base64
+import io
+import random
+
+import pytest
+import sentencepiece as spm
+
+WORDS = ("the quick brown fox jumps over lazy dog model token layer attention cache "
+         "def return import class self for in range if else print value list dict").split()
+CODE = ["def f(x):\n    return x + 1", "for i in range(10):\n    print(i)", "import torch as t"]
+
+# Multi-byte tokens for the tiktoken fixture; each is reachable by merging earlier ones.
+TIKTOKEN_MERGES = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing", b" a", b"an", b"and",
+                   b" and", b"er", b"re", b"on", b" o", b"of", b" of", b"en", b"at", b" in",
+                   b"ou", b"is", b" is", b"it", b"es", b"ed", b" w", b" s", b" c", b"or",
+                   b"  ", b"    ", b"de", b"def", b" f", b"()", b"):", b"\n ", b"\n    ", b"ret"]
+
+
+def _corpus():
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(400)]
+    return lines + CODE * 20
+
+
+@pytest.fixture(scope="session")
+def sp_model_path(tmp_path_factory):
+    """Tiny Llama-style SentencePiece BPE model (unk=0, bos=1, eos=2, byte fallback)."""
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_corpus()), model_writer=buf, model_type="bpe", vocab_size=320,
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, character_coverage=1.0,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2)
+    path = tmp_path_factory.mktemp("sp") / "tokenizer.model"
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiktoken_model_path(tmp_path_factory):
+    """Tiny Llama-3-style rank file: all 256 bytes, then TIKTOKEN_MERGES (296 ranks)."""
+    tokens = [bytes([b]) for b in range(256)] + TIKTOKEN_MERGES
+    path = tmp_path_factory.mktemp("tiktoken") / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return path
