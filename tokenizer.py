@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import sentencepiece as spm
-import tiktoken
 
 LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 LLAMA3_NUM_SPECIAL = 256
@@ -48,6 +47,10 @@ class Tokenizer:
             self._init_sentencepiece(data, path)
 
     def _init_tiktoken(self, ranks, path):
+        try:
+            import tiktoken  # optional: only Llama-3 style tokenizers need it
+        except ImportError:
+            raise ValueError(f"{path}: a tiktoken tokenizer needs the tiktoken package (pip install tiktoken)") from None
         specials = {s: len(ranks) + i for i, s in enumerate(_llama3_specials())}
         try:
             self._tt = tiktoken.Encoding(path.name, pat_str=LLAMA3_PATTERN,

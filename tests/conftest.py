@@ -43,3 +43,41 @@ def tiktoken_model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiktoken") / "tokenizer.model"
     path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
     return path
+
+
+# ---- tiny random Llama checkpoints -------------------------------------------------------------------------------
+
+TINY_LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                  initializer_range=0.1)  # larger than the default so logits are far from ties
+
+
+def save_hf_llama(path, tokenizer_path, seed=0, **overrides):
+    """A randomly initialised transformers LlamaForCausalLM, saved with save_pretrained (float32)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})).eval()
+    model.save_pretrained(path)
+    shutil.copy(tokenizer_path, path / "tokenizer.model")
+    return model
+
+
+def convert(hf_dir, out_dir):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from convert_hf_checkpoint import convert_hf_checkpoint
+    convert_hf_checkpoint(hf_dir, out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, sp_model_path):
+    """A converted native checkpoint of a tiny GQA Llama with the SentencePiece fixture tokenizer."""
+    hf_dir = tmp_path_factory.mktemp("hf")
+    save_hf_llama(hf_dir, sp_model_path)
+    return convert(hf_dir, tmp_path_factory.mktemp("native") / "ckpt")

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Convert a Hugging Face Llama checkpoint into this repo's native checkpoint directory.
+
+The native directory holds:
+  model.safetensors  native tensor names; q/k/v fused into one wqkv with RoPE pairs interleaved
+  config.json        the flat fields of model.ModelArgs
+  tokenizer.model    copied byte-for-byte from the HF directory (or its original/ subfolder)
+
+Accepted weights: model.safetensors, sharded safetensors (+ index), pytorch_model.bin or
+sharded pytorch_model-*.bin (+ index). Safetensors win when both are present. .bin files are
+loaded with weights_only=True, so no pickled code is ever run. The source is only read.
+
+Example:
+  python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-2-7b-hf/hf \\
+      --out_dir checkpoints/meta-llama/Llama-2-7b-hf/native --dtype bfloat16
+"""
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+# Let `python scripts/convert_hf_checkpoint.py` find model.py from any working directory.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model import ModelArgs  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TOKENIZER_CANDIDATES = ("tokenizer.model", "original/tokenizer.model")
+WEIGHT_LAYOUTS = (  # (single file, index of shards), in order of preference
+    ("model.safetensors", "model.safetensors.index.json"),
+    ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+)
+IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old exports saved; our model recomputes it
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_model_args(checkpoint_dir):
+    path = checkpoint_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"config.json not found in {checkpoint_dir}")
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    try:
+        return ModelArgs.from_hf_config(config)
+    except (KeyError, TypeError, AttributeError) as e:  # a field missing or of the wrong type
+        raise ValueError(f"{path}: missing or malformed field {e}") from None
+
+
+def find_tokenizer(checkpoint_dir):
+    for name in TOKENIZER_CANDIDATES:
+        if (checkpoint_dir / name).is_file():
+            return checkpoint_dir / name
+    raise ValueError(f"no tokenizer found in {checkpoint_dir}: looked for "
+                     f"{' and '.join(TOKENIZER_CANDIDATES)} (tokenizer.json-only repos are not supported)")
+
+
+def open_weights(checkpoint_dir):
+    """HF tensor name -> a function that reads it. Files are mmap'd, and each tensor is read only when
+    it is converted, so memory holds the output plus one tensor, never a second copy of the source."""
+    for single, index in WEIGHT_LAYOUTS:
+        if (checkpoint_dir / index).is_file():
+            weight_map = read_json(checkpoint_dir / index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{checkpoint_dir / index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+        elif (checkpoint_dir / single).is_file():
+            files = [single]
+        else:
+            continue
+        readers = {}
+        for name in files:
+            readers.update(open_weight_file(checkpoint_dir / name))
+        return readers
+    raise ValueError(f"no weights found in {checkpoint_dir}: looked for "
+                     + ", ".join(name for layout in WEIGHT_LAYOUTS for name in layout))
+
+
+def open_weight_file(path):
+    try:
+        if path.suffix == ".safetensors":
+            f = safe_open(path, framework="pt", device="cpu")
+            return {k: (lambda k=k: f.get_tensor(k)) for k in f.keys()}
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # never runs pickled code
+        return {k: (lambda t=t: t) for k, t in state.items()}
+    except Exception as e:  # corrupt, truncated or unsafe file: report it, don't trace back
+        raise ValueError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def unpermute_rope(w, n_heads, head_dim):
+    """Undo HF's rotate-half row permutation: RoPE pairs go back to rows (2i, 2i+1) of each head."""
+    in_dim = w.shape[-1]
+    return w.reshape(n_heads, 2, head_dim // 2, in_dim).transpose(1, 2).reshape(n_heads * head_dim, in_dim)
+
+
+def convert_weights(weights, args, dtype):
+    """Native name -> tensor: renamed, q/k/v fused, each a fresh contiguous copy (safe to save)."""
+    def read(key, *shape):
+        if key not in weights:
+            raise ValueError(f"tensor {key!r} missing from checkpoint")
+        tensor = weights.pop(key)()
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"tensor {key!r} has shape {list(tensor.shape)}, config.json implies {list(shape)}")
+        return tensor.to(dtype=dtype or tensor.dtype, memory_format=torch.contiguous_format, copy=True)
+
+    dim, inter, vocab = args.dim, args.intermediate_size, args.vocab_size
+    q_rows, kv_rows = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
+    out = {"tok_embeddings.weight": read("model.embed_tokens.weight", vocab, dim)}
+    for n in range(args.n_layer):
+        hf, native = f"model.layers.{n}.", f"layers.{n}."
+        q = unpermute_rope(read(hf + "self_attn.q_proj.weight", q_rows, dim), args.n_head, args.head_dim)
+        k = unpermute_rope(read(hf + "self_attn.k_proj.weight", kv_rows, dim), args.n_kv_head, args.head_dim)
+        v = read(hf + "self_attn.v_proj.weight", kv_rows, dim)  # v is not rotated: HF's row order is ours
+        out[native + "attention_norm.weight"] = read(hf + "input_layernorm.weight", dim)
+        out[native + "attention.wqkv.weight"] = torch.cat([q, k, v], dim=0)
+        out[native + "attention.wo.weight"] = read(hf + "self_attn.o_proj.weight", dim, q_rows)
+        out[native + "ffn_norm.weight"] = read(hf + "post_attention_layernorm.weight", dim)
+        out[native + "feed_forward.w1.weight"] = read(hf + "mlp.gate_proj.weight", inter, dim)
+        out[native + "feed_forward.w3.weight"] = read(hf + "mlp.up_proj.weight", inter, dim)
+        out[native + "feed_forward.w2.weight"] = read(hf + "mlp.down_proj.weight", dim, inter)
+    out["norm.weight"] = read("model.norm.weight", dim)
+    if not args.tie_embeddings:
+        out["output.weight"] = read("lm_head.weight", vocab, dim)
+    # HF ties the head to the embedding on load and ignores a saved copy; old exports saved rotary buffers
+    extra = [k for k in weights if not k.endswith(IGNORED_SUFFIX) and not (args.tie_embeddings and k == "lm_head.weight")]
+    if extra:
+        raise ValueError(f"unexpected tensor {extra[0]!r} in checkpoint ({len(extra)} unexpected in all; "
+                         f"config.json describes a {args.n_layer}-layer Llama)")
+    return out
+
+
+def check_out_dir(out_dir, checkpoint_dir, tokenizer_path, force):
+    # Writing into a directory we read from could replace a source file.
+    if out_dir.resolve() in (checkpoint_dir.resolve(), tokenizer_path.parent.resolve()):
+        raise ValueError(f"--out_dir {out_dir} must not be the source directory")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out_dir {out_dir} exists and is not a directory")
+    if (out_dir / "model.safetensors").exists() and not force:
+        raise ValueError(f"{out_dir} already holds a model.safetensors; pass --force to overwrite it")
+
+
+def write_atomically(path, write):
+    """Write to a temp file beside `path`, then rename it into place, so a crash mid-write
+    leaves either the old file or none, never half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates files owner-only; use the usual mode
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
+    """Convert the HF Llama checkpoint in `checkpoint_dir` into a native directory `out_dir`.
+
+    dtype: None keeps each tensor's source dtype; else "bfloat16"/"float16"/"float32" or a
+    torch.dtype. Raises ValueError (or OSError) with a one-line message on bad input.
+    Returns out_dir as a Path.
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if not checkpoint_dir.is_dir():
+        raise ValueError(f"checkpoint directory {checkpoint_dir} does not exist")
+
+    # Validate everything before creating or touching anything in out_dir.
+    args = read_model_args(checkpoint_dir)
+    tokenizer_path = find_tokenizer(checkpoint_dir)
+    check_out_dir(out_dir, checkpoint_dir, tokenizer_path, force)
+    tensors = convert_weights(open_weights(checkpoint_dir), args, dtype)
+
+    # model.safetensors goes last: its presence marks a complete conversion.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_text = json.dumps(dataclasses.asdict(args), indent=2) + "\n"
+    write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(config_text))
+    write_atomically(out_dir / "tokenizer.model", lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+    write_atomically(out_dir / "model.safetensors",
+                     lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+
+    n_params = sum(t.numel() for t in tensors.values())
+    dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}))
+    print(f"converted {n_params:,} params ({dtypes}) to {out_dir / 'model.safetensors'}")
+    return out_dir
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Convert a Hugging Face Llama checkpoint to the native format.")
+    parser.add_argument("--checkpoint_dir", type=Path, required=True,
+                        help="HF model directory with config.json, weights and tokenizer.model (read only)")
+    parser.add_argument("--out_dir", type=Path, required=True,
+                        help="directory to write model.safetensors, config.json and tokenizer.model into")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="cast all weights to this dtype (default: keep the source dtype)")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite an existing native checkpoint in --out_dir")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        convert_hf_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype, force=args.force)
+    except (ValueError, OSError) as e:
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        sys.exit(f"error: {lines[0]}")
+
+
+if __name__ == "__main__":
+    main()

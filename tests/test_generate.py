@@ -1,0 +1,123 @@
+"""generate.py as a library: loading, batching, stopping, sampling and compilation."""
+import pytest
+import torch
+
+from generate import generate, load_model, sample, weight_bytes
+
+
+@pytest.fixture(scope="module")
+def model32(checkpoint):
+    return load_model(checkpoint, "cpu", torch.float32)
+
+
+PROMPTS = [[1, 40, 41, 42], [1] + list(range(50, 70)), [1, 99, 7, 8, 9, 10, 11, 12, 13]]
+
+
+def test_load_model_materialises_every_weight_in_the_requested_dtype(checkpoint):
+    model = load_model(checkpoint, "cpu", torch.bfloat16)
+    assert not model.training
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.bfloat16, name
+
+
+def test_batch_of_different_length_prompts_equals_each_prompt_alone(model32):
+    batched, _ = generate(model32, PROMPTS, 24, temperature=0.0)
+    alone = [generate(model32, [p], 24, temperature=0.0)[0][0] for p in PROMPTS]
+    assert batched == alone
+
+
+def test_left_padded_rows_get_the_same_logits_as_alone(model32):
+    short, long = PROMPTS[0], PROMPTS[1]
+    T = len(long)
+    idx = torch.tensor([[0] * (T - len(short)) + short, long])
+    model32.setup_caches(2, 64)
+    padded = model32(idx, torch.arange(T), torch.tensor([T - len(short), 0]))[0, -1]
+    model32.setup_caches(1, 64)
+    alone = model32(torch.tensor([short]), torch.arange(len(short)))[0, -1]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_stops_at_its_own_eos(model32):
+    full, _ = generate(model32, PROMPTS, 30, temperature=0.0)
+    eos = full[0][5]  # a token that row 0 emits early
+    rows, stats = generate(model32, PROMPTS, 30, eos_id=eos, temperature=0.0)
+    assert rows == [r[: r.index(eos)] if eos in r else r for r in full]
+    assert len(rows[0]) == full[0].index(eos)
+
+
+def test_decoding_ends_early_once_every_row_has_stopped(model32):
+    full, _ = generate(model32, PROMPTS[:1], 40, temperature=0.0)
+    rows, stats = generate(model32, PROMPTS[:1], 40, eos_id=full[0][3], temperature=0.0)
+    assert stats["decode_steps"] < 39
+
+
+def test_prompt_plus_max_new_tokens_beyond_the_model_maximum_is_refused(model32):
+    with pytest.raises(ValueError, match="exceeds the model's maximum"):
+        generate(model32, [[1] * 200], model32.args.max_seq_len - 199, temperature=0.0)
+
+
+def test_temperature_zero_is_an_exact_argmax():
+    logits = torch.randn(4, 1000)
+    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+
+
+def test_sampling_draws_from_the_softmax_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    draws = sample(logits.repeat(40000, 1), temperature=1.0)
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(freq, logits.softmax(-1), atol=0.01, rtol=0)
+
+
+def test_top_k_samples_only_among_the_k_most_likely():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    draws = sample(logits.repeat(5000, 1), temperature=1.5, top_k=3)
+    assert set(draws.tolist()) == set(logits[0].topk(3).indices.tolist())
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.75, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_set_that_reaches_p(top_p, kept):
+    torch.manual_seed(0)
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    draws = sample(logits.repeat(20000, 1), temperature=1.0, top_p=top_p)
+    assert set(draws.tolist()) == kept
+
+
+def test_same_seed_same_samples_other_seed_other_samples(model32):
+    def run(seed):
+        torch.manual_seed(seed)
+        return generate(model32, PROMPTS, 20, temperature=1.0, top_k=50)[0]
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_weight_bytes_counts_every_weight_but_the_untied_embedding_table(model32):
+    params = sum(p.numel() for p in model32.parameters())
+    assert weight_bytes(model32) == 4 * (params - model32.tok_embeddings.weight.numel())
+
+
+def decode_logits(step, model, prompt, tokens):  # prompt [1, T], tokens: the fixed continuation fed back
+    T = prompt.size(1)
+    model.setup_caches(1, 64)
+    model(prompt, torch.arange(T))
+    logits = []
+    for i, tok in enumerate(tokens):
+        # after two warm-up steps, any compilation would be a per-step recompile
+        torch._dynamo.config.error_on_recompile = i >= 2
+        logits.append(step(model, torch.tensor([[tok]]), torch.tensor([T + i])).float())
+    torch._dynamo.config.error_on_recompile = False
+    return torch.cat(logits)  # [len(tokens), vocab]
+
+
+def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoint):
+    torch._dynamo.reset()
+    model = load_model(checkpoint, "cpu", torch.bfloat16)
+    prompt = torch.tensor([PROMPTS[1]])
+    tokens = generate(model, prompt.tolist(), 12, temperature=0.0)[0][0]
+    step = lambda m, cur, pos: m(cur, pos)[:, -1]  # noqa: E731 - the model part of decode_one_token
+    eager = decode_logits(step, model, prompt, tokens)
+    compiled = decode_logits(torch.compile(step, mode="reduce-overhead", fullgraph=True), model, prompt, tokens)
+    # bf16 rounds to 3 significant digits and inductor fuses in a different order: compare relative to the whole
+    assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
+    assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
