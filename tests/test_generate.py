@@ -121,3 +121,17 @@ def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoi
     # bf16 rounds to 3 significant digits and inductor fuses in a different order: compare relative to the whole
     assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+
+
+def test_streamed_text_equals_the_final_text_even_for_multibyte_characters(sp_model_path, capsys):
+    from generate import make_streamer
+    from tokenizer import Tokenizer
+    tok = Tokenizer(sp_model_path)
+    prompt, continuation = tok.encode("the fox"), tok.encode(" jumps → 世界 over", bos=False)
+    assert any(tok.decode([t]) == "" or "\ufffd" in tok.decode([t]) for t in continuation)  # byte-fallback pieces
+    stream = make_streamer(tok, prompt)
+    for n in range(1, len(continuation) + 1):
+        stream(torch.tensor([continuation[:n]]))
+    final = tok.decode(prompt + continuation)[len(tok.decode(prompt)):]  # what generate.py prints without streaming
+    assert "→ 世界 over" in final
+    assert capsys.readouterr().out == final
