@@ -133,3 +133,14 @@ def test_cli_bad_argument_gets_a_one_line_error(checkpoint, args, message):
     if "--checkpoint_path" not in args:
         args = ("--checkpoint_path", checkpoint) + args
     assert_one_line_error(run_cli(*args), message)
+
+
+def test_cli_runs_a_llama3_style_checkpoint_with_a_tiktoken_tokenizer(tmp_path, tiktoken_model_path):
+    from conftest import convert, save_hf_llama
+    save_hf_llama(tmp_path / "hf", tiktoken_model_path, vocab_size=600,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=64))
+    checkpoint = convert(tmp_path / "hf", tmp_path / "native")
+    _, metrics = metrics_of(checkpoint, tmp_path, "--prompt", "héllo → 世界", "--max_new_tokens", 8, "--ignore_eos")
+    assert len(metrics["samples"][0]["tokens"]) == 8
+    assert "<|begin_of_text|>" not in metrics["samples"][0]["text"]
