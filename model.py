@@ -246,6 +246,8 @@ class Transformer(nn.Module):
                                              self.args.rope_scaling, idx.device)[None]
             mask = None
         else:
+            if self.freqs_cis is None:
+                raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
             pos = input_pos[None] if left_pad is None else (input_pos[None] - left_pad[:, None]).clamp(min=0)
             freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
             mask = self.cache_mask(input_pos, left_pad)
