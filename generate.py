@@ -14,6 +14,7 @@ from safetensors import safe_open
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "stdlib-target"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -233,8 +234,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", action="append", help="prompt text; repeat the flag for a batch of prompts "
                    "(default: 'def fibonacci(n):')")
-    p.add_argument("--checkpoint_path", type=Path, required=True,
-                   help="checkpoint directory (model.safetensors, config.json, tokenizer.model)")
+    p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
+                   help="checkpoint directory: model.safetensors, config.json, tokenizer.model "
+                   "(default: the built-in model trained on the Python standard library)")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per row")
     p.add_argument("--num_samples", type=int, default=1, help="how many times to generate (timed separately)")
     p.add_argument("--batch_size", type=int, help="rows per batch: a single prompt is repeated this many times "

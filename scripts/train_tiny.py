@@ -1,0 +1,181 @@
+"""Train the built-in models from scratch on the Python standard library: a SentencePiece tokenizer, then a
+target and a draft Llama that share it, each written as a native checkpoint. Deterministic given --seed.
+
+    python scripts/train_tiny.py                       # the shipped pair: about 80 minutes on 2 CPU cores
+    python scripts/train_tiny.py --smoke --out_dir /tmp/tiny   # a few steps of a toy config, for tests
+"""
+import argparse
+import dataclasses
+import io
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from eval import perplexity, stdlib_files  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+# name: (model shape, training steps, peak learning rate). Batches are 16 x 256 tokens.
+CONFIGS = {
+    "target": (dict(dim=384, n_layer=8, n_head=6, n_kv_head=2, intermediate_size=1024), 800, 2e-3),
+    # the draft has under 1/8 of the target's non-embedding parameters
+    "draft": (dict(dim=192, n_layer=4, n_head=3, n_kv_head=1, intermediate_size=448), 1000, 3e-3),
+}
+SMOKE = {name: (dict(dim=32, n_layer=2, n_head=2, n_kv_head=1, intermediate_size=64), 12, 3e-3)
+         for name in CONFIGS}
+
+
+def chunks(texts, max_chars=2000):
+    """Whole lines in pieces of at most max_chars: SentencePiece trains on bounded 'sentences', and keeping the
+    newlines inside them is what lets it learn code layout."""
+    for text in texts:
+        buf = ""
+        for line in text.splitlines(keepends=True):
+            if buf and len(buf) + len(line) > max_chars:
+                yield buf
+                buf = ""
+            buf += line
+        if buf:
+            yield buf
+
+
+def train_tokenizer(texts, vocab_size: int, path: Path) -> Tokenizer:
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=chunks(texts), model_writer=buf, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, max_sentence_length=4096,
+        # code: keep every space (indentation), no dummy prefix, newline as one token, digits split
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=["\n"],
+        num_threads=1, minloglevel=2)  # one thread: the same merges on every run
+    path.write_bytes(buf.getvalue())
+    return Tokenizer(path)
+
+
+def encode_corpus(tokenizer: Tokenizer, texts) -> torch.Tensor:  # -> [n_tokens] int64: BOS file EOS BOS file EOS ...
+    return torch.tensor([i for t in texts for i in tokenizer.encode(t, bos=True) + [tokenizer.eos_id]])
+
+
+def init_weights(model: Transformer):
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            continue  # RMSNorm gains stay 1
+        std = 0.02
+        if name.endswith(("wo.weight", "w2.weight")):  # residual outputs: keep the sum over layers at unit scale
+            std /= math.sqrt(2 * model.args.n_layer)
+        nn.init.normal_(p, 0.0, std)
+
+
+def learning_rate(step: int, steps: int, peak: float) -> float:
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+
+def train(name, args: ModelArgs, data, steps, peak_lr, seed, batch_size, seq_len) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    init_weights(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_body = n_params - model.tok_embeddings.weight.numel() * (1 if args.tie_embeddings else 2)
+    print(f"{name}: {n_params / 1e6:.2f}M parameters ({n_body / 1e6:.2f}M without embeddings), {steps} steps")
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=peak_lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=gen)
+        batch = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])  # [B, seq_len + 1]
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, steps, peak_lr)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 20 == 0 or step == steps - 1:
+            elapsed = time.perf_counter() - t0
+            tps = (step + 1) * batch_size * seq_len / elapsed
+            eta = elapsed / (step + 1) * (steps - step - 1)
+            print(f"{name} step {step:5d}/{steps} loss {loss.item():.4f} lr {group['lr']:.2e} "
+                  f"{tps:.0f} tokens/s ETA {eta / 60:.1f} min", flush=True)
+    return model.eval()
+
+
+def save_checkpoint(model: Transformer, tokenizer_path: Path, out: Path, info: dict):
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:
+        state.pop("output.weight")  # the same tensor as tok_embeddings.weight
+    save_file(state, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.args), indent=2) + "\n")
+    (out / "tokenizer.model").write_bytes(tokenizer_path.read_bytes())
+    (out / "train.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def unigram_perplexity(train_ids: torch.Tensor, heldout_ids: torch.Tensor, vocab_size: int) -> float:
+    """The baseline the models must beat by far: token frequencies of the training split, add-one smoothed."""
+    counts = torch.bincount(train_ids, minlength=vocab_size).double() + 1
+    logp = (counts / counts.sum()).log()
+    return math.exp(-logp[heldout_ids].mean().item())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out_dir", type=Path, default=ROOT / "checkpoints", help="writes stdlib-target/ and "
+                   "stdlib-draft/ here")
+    p.add_argument("--seed", type=int, default=0, help="seeds initialisation and batch order")
+    p.add_argument("--vocab_size", type=int, default=8000, help="SentencePiece vocabulary size")
+    p.add_argument("--batch_size", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq_len", type=int, default=256, help="tokens per training sequence")
+    p.add_argument("--steps", type=int, help="override the number of steps of both models")
+    p.add_argument("--smoke", action="store_true", help="toy model sizes and a few steps (tests)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    t_start = time.perf_counter()
+    train_texts = [f.read_text(encoding="utf-8") for f in stdlib_files("train")]
+    heldout_texts = [f.read_text(encoding="utf-8") for f in stdlib_files("heldout")]
+    if args.smoke:
+        train_texts, heldout_texts = train_texts[:40], heldout_texts[:4]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    tok_path = args.out_dir / "tokenizer.model"
+    tokenizer = train_tokenizer(train_texts, args.vocab_size, tok_path)
+    data = encode_corpus(tokenizer, train_texts)
+    heldout = encode_corpus(tokenizer, heldout_texts)
+    print(f"corpus: {len(train_texts)} train files ({len(data)} tokens), {len(heldout_texts)} held-out files "
+          f"({len(heldout)} tokens), tokenizer {tokenizer.vocab_size} pieces")
+    unigram = unigram_perplexity(data, heldout, tokenizer.vocab_size)
+    for name, (shape, steps, lr) in (SMOKE if args.smoke else CONFIGS).items():
+        steps = args.steps or steps
+        margs = ModelArgs(vocab_size=tokenizer.vocab_size, max_seq_len=1024, tie_embeddings=True, **shape)
+        t0 = time.perf_counter()
+        model = train(name, margs, data, steps, lr, args.seed, args.batch_size, args.seq_len)
+        train_s = time.perf_counter() - t0
+        ppl, n = perplexity(model, tokenizer, heldout_texts, seq_len=512)
+        print(f"{name}: held-out perplexity {ppl:.3f} over {n} tokens (unigram baseline {unigram:.1f}), "
+              f"trained in {train_s / 60:.1f} min")
+        info = dict(steps=steps, peak_lr=lr, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                    train_minutes=round(train_s / 60, 2), heldout_ppl_fp32=round(ppl, 4), heldout_tokens=n,
+                    unigram_ppl=round(unigram, 2), train_tokens=len(data))
+        save_checkpoint(model, tok_path, args.out_dir / f"stdlib-{name}", info)
+    tok_path.unlink()
+    print(f"done in {(time.perf_counter() - t_start) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
