@@ -101,3 +101,10 @@ def test_eval_cli_bad_text_gets_a_one_line_error(tmp_path, content, message):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+
+
+def test_training_refuses_to_overwrite_the_shipped_checkpoints():
+    before = (CHECKPOINTS["target"] / "model.safetensors").read_bytes()
+    result = run("scripts/train_tiny.py", "--smoke")
+    assert result.returncode != 0 and result.stderr.startswith("error:") and "--force" in result.stderr
+    assert (CHECKPOINTS["target"] / "model.safetensors").read_bytes() == before
