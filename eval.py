@@ -114,6 +114,8 @@ def main(argv=None):
     else:
         files = [args.text]
     texts = read_texts(files[: args.max_files], args.text or "the held-out split")
+    if args.draft:
+        checkpoint_files(args.draft)  # fail before the long evaluation, not after
     model = load_model(args.checkpoint_path, resolve_device(args.device), DTYPES[args.dtype])
     if args.seq_len > model.args.max_seq_len:
         p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {model.args.max_seq_len}")

@@ -210,6 +210,7 @@ def parse_args(argv=None):
                         help="cast all weights to this dtype (default: keep the source dtype)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite an existing native checkpoint in --out_dir")
+    parser.error = lambda msg: sys.exit(f"error: {msg}")  # one line, not argparse's usage block
     return parser.parse_args(argv)
 
 

@@ -52,6 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--out_dir", type=Path, default=None, help="where to put the files (default: checkpoints/<repo_id>)")
     parser.add_argument("--hf_token", default=None,
                         help="access token for gated or private repos (default: the HF_TOKEN environment variable)")
+    parser.error = lambda msg: sys.exit(f"error: {msg}")  # one line, not argparse's usage block
     return parser.parse_args(argv)
 
 

@@ -146,13 +146,14 @@ def main(argv=None):
     p.add_argument("--steps", type=int, help="override the number of steps of both models")
     p.add_argument("--smoke", action="store_true", help="toy model sizes and a few steps (tests)")
     p.add_argument("--force", action="store_true", help="overwrite checkpoints already in --out_dir")
+    p.error = lambda msg: sys.exit(f"error: {msg}")  # one line, not argparse's usage block
     args = p.parse_args(argv)
     existing = [args.out_dir / f"stdlib-{n}" for n in CONFIGS if (args.out_dir / f"stdlib-{n}").exists()]
     if existing and not args.force:
         sys.exit(f"error: {existing[0]} exists (the shipped models live in checkpoints/): "
                  "pass --force to overwrite, or another --out_dir")
-    if args.steps is not None and args.steps < 1:
-        sys.exit("error: --steps must be at least 1")
+    if min(args.batch_size, args.seq_len, args.steps or 1) < 1:
+        p.error("--batch_size, --seq_len and --steps must be at least 1")
     torch.set_num_threads(os.cpu_count() or 1)
     t_start = time.perf_counter()
     train_texts = [f.read_text(encoding="utf-8") for f in stdlib_files("train")]
@@ -161,7 +162,10 @@ def main(argv=None):
         train_texts, heldout_texts = train_texts[:40], heldout_texts[:4]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     tok_path = args.out_dir / "tokenizer.model"
-    tokenizer = train_tokenizer(train_texts, args.vocab_size, tok_path)
+    try:
+        tokenizer = train_tokenizer(train_texts, args.vocab_size, tok_path)
+    except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's distinct characters
+        sys.exit(f"error: SentencePiece training failed: {str(e).splitlines()[0]}")
     data = encode_corpus(tokenizer, train_texts)
     heldout = encode_corpus(tokenizer, heldout_texts)
     print(f"corpus: {len(train_texts)} train files ({len(data)} tokens), {len(heldout_texts)} held-out files "

@@ -108,3 +108,11 @@ def test_training_refuses_to_overwrite_the_shipped_checkpoints():
     result = run("scripts/train_tiny.py", "--smoke")
     assert result.returncode != 0 and result.stderr.startswith("error:") and "--force" in result.stderr
     assert (CHECKPOINTS["target"] / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("args, message", [(("--batch_size", 0), "--batch_size"),
+                                           (("--vocab_size", 10), "SentencePiece training failed")])
+def test_training_bad_argument_gets_a_one_line_error(tmp_path, args, message):
+    result = run("scripts/train_tiny.py", "--smoke", "--out_dir", tmp_path, *args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
