@@ -56,26 +56,54 @@ def read_weights(weights: Path, device, dtype) -> dict:
         raise ValueError(f"cannot read {weights} (truncated or not a weights file): {str(e).splitlines()[0]}") from None
 
 
+def read_quantization(weights: Path) -> Optional[tuple[str, int]]:
+    """(mode, groupsize) from a quantized checkpoint's safetensors metadata (see quantize.py); None if float."""
+    if weights.suffix != ".safetensors":
+        return None
+    try:
+        with safe_open(weights, framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:
+        raise ValueError(f"cannot read {weights} (truncated or not a weights file): {str(e).splitlines()[0]}") from None
+    mode, groupsize = meta.get("quantization"), meta.get("groupsize", "0")
+    if mode is None:
+        return None
+    if mode not in ("int8", "int4") or mode == "int4" and groupsize not in ("32", "64", "128", "256"):
+        raise ValueError(f"{weights} has unknown quantization metadata: quantization={mode!r}, groupsize={groupsize!r}")
+    return mode, int(groupsize)
+
+
 def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transformer:
     """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors to it."""
     ckpt_dir, weights = checkpoint_files(checkpoint_path)
     args = load_args(ckpt_dir)
+    quantization = read_quantization(weights)
     with torch.device("meta"):
         model = Transformer(args)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if args.tie_embeddings:
+        if quantization:  # int8/int4 layers in place of nn.Linear; the file's metadata says which
+            from quantize import replace_linears
+            replace_linears(model, *quantization)
+    expected = model.state_dict()
+    tied = args.tie_embeddings and not quantization  # a quantized head is stored apart from the embedding
+    if tied:
         expected.pop("output.weight")
     state = read_weights(weights, device, dtype)
+    what = f"config.json{' and the ' + quantization[0] + ' metadata' if quantization else ''} and {weights.name}"
     for k in sorted(expected.keys() | state.keys()):
         if k not in state or k not in expected:
-            what = "lacks" if k not in state else "has an unexpected"
-            raise ValueError(f"config.json and {weights.name} disagree: the weights {what} tensor {k}")
-        if state[k].shape != expected[k]:
-            raise ValueError(f"config.json and {weights.name} disagree: {k} is {tuple(state[k].shape)}, "
-                             f"the config needs {tuple(expected[k])}")
+            problem = "lacks" if k not in state else "has an unexpected"
+            raise ValueError(f"{what} disagree: the weights {problem} tensor {k}")
+        want, got = expected[k], state[k]
+        if got.shape != want.shape or (got.is_floating_point() != want.is_floating_point()) or \
+                (not want.is_floating_point() and got.dtype != want.dtype):
+            raise ValueError(f"{what} disagree: {k} is {str(got.dtype)[6:]} {tuple(got.shape)}, "
+                             f"they need {str(want.dtype)[6:]} {tuple(want.shape)}")
     model.load_state_dict(state, assign=True, strict=False)
-    if args.tie_embeddings:  # assign replaced the shared Parameter, so tie it again
+    if tied:  # assign replaced the shared Parameter, so tie it again
         model.output.weight = model.tok_embeddings.weight
+    if quantization:
+        from quantize import pack_for_kernels
+        pack_for_kernels(model, dtype)
     return model.eval()
 
 
