@@ -218,7 +218,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 def weight_bytes(model: Transformer) -> int:
     """Bytes one decode step must read: every weight once. An untied embedding table is not read whole, one row
     per token, so it is left out; the KV cache and RoPE table are not weights."""
-    skip = {"freqs_cis"} | (set() if model.args.tie_embeddings else {"tok_embeddings.weight"})
+    tied = model.output.weight is model.tok_embeddings.weight  # a quantized head is never tied
+    skip = {"freqs_cis"} | (set() if tied else {"tok_embeddings.weight"})
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     return sum(t.numel() * t.element_size() for n, t in tensors if n not in skip and "kv_cache" not in n)
 

@@ -88,7 +88,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            # torch's CPU kernel reads the int8 weight directly; a dequantize-then-matmul is 2-6x slower here
+            # torch's CPU kernel reads the int8 weight directly; dequantizing first would write a bf16 copy per call
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
         # the scale is per output channel, so it can wait until after the matmul; on CUDA, inductor fuses the
@@ -107,7 +107,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, k // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.empty(out_features, k // groupsize, dtype=torch.bfloat16))
         self.register_buffer("zeros", torch.empty(out_features, k // groupsize, dtype=torch.bfloat16))
-        self.scales_and_zeros: Optional[Tensor] = None  # set by pack()
+        self.register_buffer("scales_and_zeros", None)  # [K'/G, N', 2], set by pack()
 
     @torch.no_grad()
     def pack(self):
@@ -122,9 +122,10 @@ class Int4Linear(nn.Module):
                                                                 inner_k_tiles)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        self.scales_and_zeros = torch.stack([pad_rows(self.scales), pad_rows(self.zeros)], -1).transpose(0, 1).contiguous()
-        self.weight = packed  # [K'/G, n, 2] above; the plain copies are freed
-        del self.scales, self.zeros
+        scales_and_zeros = torch.stack([pad_rows(self.scales), pad_rows(self.zeros)], -1)  # [n, K'/G, 2]
+        self.scales_and_zeros = scales_and_zeros.transpose(0, 1).contiguous()
+        self.weight = packed
+        del self.scales, self.zeros  # the plain copies are no longer needed
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         x2 = x.reshape(-1, self.in_features)
@@ -292,7 +293,8 @@ def write_checkpoint(state: dict, metadata: dict, src_dir: Path, out_dir: Path, 
 def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_dir=None, calibration_texts=None,
                         samples: int = 128, seq_len: int = 512, device="cpu", force: bool = False,
                         verbose: bool = False) -> Path:
-    """Quantize a float checkpoint into out_dir (default: next to it, named after the mode). Returns out_dir."""
+    """Quantize a float checkpoint into out_dir (default: next to it, named after the mode). Returns out_dir.
+    GPTQ calibrates on calibration_texts, by default the built-in held-out split."""
     from generate import checkpoint_files, load_model, read_quantization
     from tokenizer import Tokenizer
     if mode not in MODES:
@@ -320,6 +322,9 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
     progress = lambda what: lambda i, n: say(f"\r{what} {i}/{n}", end="\n" if i == n else "")
     gptq = None
     if mode == "int4-gptq":
+        if calibration_texts is None:
+            from eval import read_texts, stdlib_files
+            calibration_texts = read_texts(stdlib_files("heldout"), "the held-out split")
         tokens = calibration_tokens(Tokenizer(ckpt_dir / "tokenizer.model"), calibration_texts, samples,
                                     min(seq_len, model.args.max_seq_len)).to(device)
         say(f"GPTQ on {tokens.size(0)} calibration windows of {tokens.size(1)} tokens")
@@ -338,7 +343,7 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
 
 
 def main(argv=None):
-    from eval import read_texts, stdlib_files
+    from eval import read_texts
     from generate import DEFAULT_CHECKPOINT, resolve_device
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
@@ -361,10 +366,7 @@ def main(argv=None):
         p.error("--calibration_file applies to --mode int4-gptq only")
     if min(args.calibration_samples, args.calibration_seq_len) < 1:
         p.error("--calibration_samples and --calibration_seq_len must be at least 1")
-    texts = None
-    if args.mode == "int4-gptq":
-        files = [args.calibration_file] if args.calibration_file else stdlib_files("heldout")
-        texts = read_texts(files, args.calibration_file or "the held-out split")
+    texts = read_texts([args.calibration_file], args.calibration_file) if args.calibration_file else None
     quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize or 128, args.out_dir, texts,
                         args.calibration_samples, args.calibration_seq_len, resolve_device(args.device),
                         args.force, verbose=True)

@@ -1,0 +1,187 @@
+"""Quantization benchmark: size on disk, decode speed and held-out perplexity of every quantization mode, measured
+in one run on one machine, for the built-in target model and a 1.1B-parameter Llama shape with random weights.
+Prints a Markdown table (speeds also as ratios to bf16) and writes the figures as JSON."""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eval import perplexity, read_texts, stdlib_files  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, generate, load_model, resolve_device  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from quantize import quantize_checkpoint  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+# (row label, quantize.py mode, group size, GPTQ calibration: "heldout" or "train")
+ROWS = [("bf16", None, None, None), ("int8", "int8", None, None), ("int4-g32", "int4", 32, None),
+        ("int4-g128", "int4", 128, None), ("int4-gptq-g128", "int4-gptq", 128, "heldout"),
+        ("int4-gptq-g128, train-split calibration", "int4-gptq", 128, "train")]
+
+
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo")
+    names = [l.split(":", 1)[1].strip() for l in info.read_text().splitlines() if l.startswith("model name")] \
+        if info.exists() else []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def random_checkpoint(name: str, out_dir: Path) -> Path:
+    """A checkpoint of a named shape with N(0, 0.02) weights and the built-in tokenizer: speed needs no training."""
+    import shutil
+    from safetensors.torch import save_file
+    args = ModelArgs.from_name(name)
+    torch.manual_seed(0)
+    model = Transformer(args).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    out_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out_dir / "model.safetensors")
+    config = {k: getattr(args, k) for k in args.__dataclass_fields__}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copy(DEFAULT_CHECKPOINT / "tokenizer.model", out_dir / "tokenizer.model")
+    return out_dir
+
+
+def decode_speed(ckpt: Path, device, new_tokens: int, repeats: int, compile: bool) -> float:
+    """Median batch-1 greedy decode tokens/sec over `repeats` runs, after one warm-up (and compile) run."""
+    import generate as gen
+    model = load_model(ckpt, device, torch.bfloat16)
+    decode_one_token = gen.decode_one_token
+    if compile:
+        gen.decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    try:
+        prompt = [Tokenizer(ckpt / "tokenizer.model").encode("def fibonacci(n):", bos=True)]
+        generate(model, prompt, new_tokens, temperature=0)
+        rates = []
+        for _ in range(repeats):
+            _, stats = generate(model, prompt, new_tokens, temperature=0)
+            rates.append(stats["decode_steps"] / stats["decode_s"])
+        return statistics.median(rates)
+    finally:
+        gen.decode_one_token = decode_one_token
+        torch._dynamo.reset()
+
+
+def kernel_table(shape: str):
+    """Batch-1 time of each layer kind of a named shape, for bf16 and each quantized kernel, as GB/s of the bytes
+    the layer stores; and a plain read of a 1 GB tensor, the machine's practical bandwidth."""
+    from quantize import Int4Linear, Int8Linear, pack_nibbles, quantize_int4, quantize_int8
+    a = ModelArgs.from_name(shape)
+    layers = {"wqkv": ((a.n_head + 2 * a.n_kv_head) * a.head_dim, a.dim), "w1/w3": (a.intermediate_size, a.dim),
+              "w2": (a.dim, a.intermediate_size), "output": (a.vocab_size, a.dim)}
+
+    def seconds(f, n=50):
+        for _ in range(5):
+            f()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        return (time.perf_counter() - t0) / n
+    big = torch.randn(2**28)
+    print(f"\nplain read (sum of a 1 GB float32 tensor): {big.numel() * 4 / seconds(big.sum, 10) / 1e9:.1f} GB/s")
+    print(f"\n| layer [N, K] | bf16 GB/s | int8 GB/s | int4-g32 GB/s | int4-g128 GB/s |\n|---|---|---|---|---|")
+    for name, (n, k) in layers.items():
+        w, x = torch.randn(n, k) * 0.02, torch.randn(1, k, dtype=torch.bfloat16)
+        bf16 = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        int8 = Int8Linear(k, n)
+        int8.weight, int8.scales = quantize_int8(w)
+        cells = [bf16, int8]
+        for g in (32, 128):
+            int4 = Int4Linear(k, n, g)
+            q, int4.scales, int4.zeros = quantize_int4(w, g)
+            int4.weight = pack_nibbles(q)
+            int4.pack()
+            cells.append(int4)
+        with torch.no_grad():
+            rates = [sum(t.numel() * t.element_size() for t in m.buffers()) + sum(
+                t.numel() * t.element_size() for t in m.parameters()) for m in cells]
+            rates = [b / seconds(lambda: m(x)) / 1e9 for b, m in zip(rates, cells)]
+        print(f"| {name} [{n}, {k}] | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
+
+
+def quantized(ckpt: Path, mode, groupsize, calibration, work: Path, samples: int, seq_len: int, device) -> Path:
+    if mode is None:
+        return ckpt
+    texts = None
+    if calibration:
+        files = stdlib_files(calibration)
+        if calibration == "train":  # every 20th training file: about as much text as the held-out split
+            files = files[::20]
+        texts = read_texts(files, calibration)
+    out = work / f"{ckpt.name}-{mode}-{groupsize}-{calibration}"
+    return quantize_checkpoint(ckpt, mode, groupsize or 128, out, texts, samples, seq_len, device)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="where to decode: cpu, cuda or cuda:N")
+    p.add_argument("--large", default="TinyLlama-1.1B", help="named shape for the random-weight model")
+    p.add_argument("--new_tokens", type=int, default=100, help="tokens decoded per timed run (built-in model)")
+    p.add_argument("--large_new_tokens", type=int, default=32, help="tokens decoded per timed run (large model)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is reported)")
+    p.add_argument("--compile", action="store_true", help="also time the compiled decode step")
+    p.add_argument("--skip_large", action="store_true", help="only the built-in model")
+    p.add_argument("--kernels", action="store_true", help="only time each layer kind of the large shape, per kernel")
+    p.add_argument("--json", type=Path, default=Path("bench_quantize.json"), help="where to write the figures")
+    args = p.parse_args()
+    if args.kernels:
+        return kernel_table(args.large)
+    device = resolve_device(args.device)
+    results = {"machine": torch.cuda.get_device_name(device) if device.type == "cuda" else
+               f"{cpu_name()}, {torch.get_num_threads()} threads",
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": {}}
+    heldout = read_texts(stdlib_files("heldout"), "the held-out split")
+    tokenizer = Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        large = None if args.skip_large else random_checkpoint(args.large, work / "large")
+        for label, mode, groupsize, calibration in ROWS:
+            row = results["rows"][label] = {}
+            small = quantized(DEFAULT_CHECKPOINT, mode, groupsize, calibration, work, 128, 512, "cpu")
+            row["size_mb"] = (small / "model.safetensors").stat().st_size / 1e6
+            row["ppl"], _ = perplexity(load_model(small, "cpu", torch.float32), tokenizer, heldout)
+            row["tok_s"] = decode_speed(small, device, args.new_tokens, args.repeats, False)
+            if args.compile:
+                row["tok_s_compiled"] = decode_speed(small, device, args.new_tokens, args.repeats, True)
+            if large and calibration != "train":  # the calibration text does not change the speed
+                big = quantized(large, mode, groupsize, calibration, work, 8, 256, "cpu")
+                row["large_size_mb"] = (big / "model.safetensors").stat().st_size / 1e6
+                row["large_tok_s"] = decode_speed(big, device, args.large_new_tokens, args.repeats, False)
+                if args.compile:
+                    row["large_tok_s_compiled"] = decode_speed(big, device, args.large_new_tokens, args.repeats,
+                                                               True)
+            print(label, {k: round(v, 3) for k, v in row.items()}, file=sys.stderr, flush=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    print_table(results, args.large)
+
+
+def print_table(results: dict, large: str):
+    rows = results["rows"]
+    base = rows["bf16"]
+    cols = [k for k in ("tok_s", "tok_s_compiled", "large_tok_s", "large_tok_s_compiled") if k in base]
+    names = {"tok_s": "built-in tok/s", "tok_s_compiled": "built-in tok/s, compiled",
+             "large_tok_s": f"{large} tok/s", "large_tok_s_compiled": f"{large} tok/s, compiled"}
+    print(f"\n{results['machine']}, torch {results['torch']}, {results['date']}; batch 1, greedy, bf16 activations\n")
+    head = ["mode", "built-in MB"] + (["1.1B MB"] if "large_size_mb" in base else []) + \
+        [names[c] for c in cols] + ["held-out ppl"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for label, r in rows.items():
+        cells = [label, f"{r['size_mb']:.1f}"]
+        if "large_size_mb" in base:
+            cells.append(f"{r['large_size_mb']:.0f}" if "large_size_mb" in r else "")
+        for c in cols:
+            cells.append(f"{r[c]:.1f} ({r[c] / base[c]:.2f}x)" if c in r else "")
+        cells.append(f"{r['ppl']:.3f} ({100 * (r['ppl'] / base['ppl'] - 1):+.2f}%)")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
