@@ -285,6 +285,11 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=Path, metavar="PATH", help="write a torch.profiler trace of the last sample "
                    "to PATH (Chrome trace JSON)")
     p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="speculative decoding: a small draft model with "
+                   "the same tokenizer proposes --speculate_k tokens, the target verifies them in one pass")
+    p.add_argument("--prompt_lookup", type=int, metavar="N", help="speculative decoding without a draft: propose "
+                   "the tokens that followed the last earlier occurrence of the context's last N tokens")
+    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per verify pass")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
                    "as JSON (averaged over the samples after the first)")
     # one line, not argparse's usage block: the error is what the user needs to read
@@ -297,6 +302,10 @@ def parse_args(argv=None):
               (args.top_k >= 1, "--top_k must be at least 1"),
               (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
               (args.max_seq_length is None or args.max_seq_length >= 1, "--max_seq_length must be at least 1"),
+              (args.speculate_k >= 1, "--speculate_k must be at least 1"),
+              (args.prompt_lookup is None or args.prompt_lookup >= 1, "--prompt_lookup must be at least 1"),
+              (not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
+               "--prompt_lookup, not both"),
               (all(s.strip() for s in args.prompt or ["x"]), "the prompt is empty")]
     for ok, msg in checks:
         if not ok:
@@ -308,6 +317,8 @@ def parse_args(argv=None):
         args.prompt = args.prompt * args.batch_size
     elif args.batch_size != len(args.prompt):
         p.error(f"--batch_size {args.batch_size} does not match the {len(args.prompt)} prompts given")
+    if args.batch_size > 1 and (args.draft_checkpoint_path or args.prompt_lookup):
+        p.error("speculative decoding supports batch size 1 only")
     return args
 
 
@@ -326,6 +337,12 @@ def summary(stats: dict, batch_size: int, model_bytes: int, device) -> dict:
 
 
 def print_summary(m: dict):
+    if "acceptance_rate" in m:
+        print(f"Speculative: {m['tokens_per_sec']:.2f} tokens/sec overall | {m['target_forwards']} target forwards | "
+              f"mean accepted per verify: {m['mean_accepted']:.2f} | acceptance rate: {m['acceptance_rate']:.1%} | "
+              f"total: {m['total_s']:.2f} s")
+        print(f"Accepted proposals per verify (histogram, 0..k): {m['accept_histogram']}")
+        return
     print(f"Time to first token: {m['ttft_ms']:.1f} ms | decode: {m['decode_tokens_per_sec']:.2f} tokens/sec | "
           f"overall: {m['tokens_per_sec']:.2f} tokens/sec | total: {m['total_s']:.2f} s")
     print(f"Bandwidth achieved: {m['bandwidth_gb_s']:.2f} GB/s | peak memory: {m['peak_memory_gb']:.2f} GB")
@@ -353,15 +370,33 @@ def main(argv=None):
 
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     eos_id = None if args.ignore_eos else tokenizer.eos_id
+    draft = load_draft(args.draft_checkpoint_path, ckpt_dir, model, device, dtype) \
+        if args.draft_checkpoint_path else None
+    speculate = draft is not None or args.prompt_lookup is not None
+    if speculate:
+        import speculative
+
+    def run(eos_id, callback=None):  # one generation -> rows, figures
+        if not speculate:
+            rows, stats = generate(model, prompts, args.max_new_tokens, eos_id, callback, **sampling)
+            return rows, summary(stats, args.batch_size, model_bytes, device)
+        row, stats = speculative.speculative_generate(
+            model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup, eos_id,
+            callback and (lambda tokens: callback(torch.tensor([tokens]))), **sampling)
+        return [row], speculative_summary(stats, device)
+
     torch.manual_seed(args.seed)
     compile_s = 0.0
     if args.compile:
         decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        if speculate:  # the draft's one-token step and the target's (k+1)-token verify each compile once
+            speculative.draft_step = torch.compile(speculative.draft_step, mode="reduce-overhead", fullgraph=True)
+            speculative.verify = torch.compile(speculative.verify, mode="reduce-overhead", fullgraph=True)
     if args.compile_prefill:
         prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
     if args.compile or args.compile_prefill:
         t0 = time.perf_counter()  # one untimed run triggers compilation and CUDA-graph capture
-        generate(model, prompts, args.max_new_tokens, eos_id=None, **sampling)
+        run(None)
         compile_s = time.perf_counter() - t0
         print(f"Compilation time: {compile_s:.2f} s")
 
@@ -374,22 +409,42 @@ def main(argv=None):
             prof.__enter__()
         if stream:
             print(args.prompt[0], end="", flush=True)
-        callback = make_streamer(tokenizer, prompts[0]) if stream else None
-        rows, stats = generate(model, prompts, args.max_new_tokens, eos_id=eos_id, callback=callback, **sampling)
+        rows, figures = run(eos_id, make_streamer(tokenizer, prompts[0]) if stream else None)
         if prof is not None:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(str(args.profile))
         texts = [tokenizer.decode(p + r)[len(tokenizer.decode(p)):] for p, r in zip(prompts, rows)]
         print("" if stream else "\n\n".join(s + t for s, t in zip(args.prompt, texts)))
         samples += [{"text": t, "tokens": r} for t, r in zip(texts, rows)]
-        results.append(summary(stats, args.batch_size, model_bytes, device))
-        print(f"Sample {i + 1}/{args.num_samples}: {args.batch_size} x {stats['decode_steps'] + 1} new tokens")
+        results.append(figures)
+        print(f"Sample {i + 1}/{args.num_samples}: {args.batch_size} x {max(len(r) for r in rows)} new tokens")
         print_summary(results[-1])
     if args.metrics_json:
         kept = results[1:] or results  # the first sample warms caches and allocators
-        metrics = {k: sum(r[k] for r in kept) / len(kept) for k in results[0]}
+        metrics = {k: sum(r[k] for r in kept) / len(kept) if isinstance(v, (int, float)) else kept[-1][k]
+                   for k, v in results[0].items()}
         metrics.update(compile_s=compile_s, samples=samples)
         args.metrics_json.write_text(json.dumps(metrics, indent=2))
+
+
+def load_draft(path, target_dir: Path, model: Transformer, device, dtype) -> Transformer:
+    """The draft model, checked to share the target's tokenizer and vocabulary, with a cache like the target's."""
+    draft_dir, _ = checkpoint_files(path)
+    tok = draft_dir / "tokenizer.model"
+    if not tok.is_file() or tok.read_bytes() != (target_dir / "tokenizer.model").read_bytes():
+        raise ValueError(f"the draft's tokenizer ({draft_dir / 'tokenizer.model'}) differs from the target's")
+    draft = load_model(path, device, dtype)
+    if draft.args.vocab_size != model.args.vocab_size:
+        raise ValueError(f"the draft's vocab_size {draft.args.vocab_size} differs from the target's "
+                         f"{model.args.vocab_size}")
+    return draft
+
+
+def speculative_summary(stats: dict, device) -> dict:
+    return {"tokens_per_sec": stats["new_tokens"] / stats["total_s"], "total_s": stats["total_s"],
+            "peak_memory_gb": peak_memory_gb(device), "target_forwards": stats["target_forwards"],
+            "mean_accepted": stats["mean_accepted"], "acceptance_rate": stats["acceptance_rate"],
+            "accept_histogram": stats["accept_histogram"]}
 
 
 if __name__ == "__main__":

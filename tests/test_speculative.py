@@ -1,0 +1,171 @@
+"""speculative.py: lossless speculative decoding with a draft model or prompt lookup."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import speculative
+from conftest import convert, save_hf_llama
+from generate import generate, load_model, logits_to_probs
+from model import ModelArgs, Transformer
+from speculative import accept, prompt_lookup, speculative_generate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test that counts were drawn from probs; cells expected below 5 are merged into one."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
+
+
+def test_accept_rule_emits_the_target_distribution():
+    torch.manual_seed(0)
+    V, k, trials = 6, 3, 20000
+    p, q = torch.rand(k + 1, V).softmax(-1), (torch.rand(k, V) * 3).softmax(-1)
+    counts = torch.zeros(V)
+    for _ in range(trials):
+        proposed = torch.stack([torch.multinomial(q[i], 1)[0] for i in range(k)])
+        n, nxt = accept(p, q, proposed, k)
+        counts[proposed[0] if n > 0 else nxt[0]] += 1  # the first token emitted
+    assert chi_square_p_value(counts, p[0]) > 1e-3
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_match():
+    assert prompt_lookup([5, 6, 7, 1, 2, 5, 6, 9, 5, 6], 2, 3) == [9, 5, 6]  # the most recent earlier match
+    assert prompt_lookup([1, 2, 3, 4], 2, 3) == []
+    assert prompt_lookup([1, 2, 1, 2], 2, 5) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, sp_model_path, checkpoint):
+    """The tiny target checkpoint and a smaller, differently seeded draft with the same tokenizer."""
+    hf = tmp_path_factory.mktemp("hf_draft")
+    save_hf_llama(hf, sp_model_path, seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    return checkpoint, convert(hf, tmp_path_factory.mktemp("draft") / "ckpt")
+
+
+def greedy(model, prompt, n):
+    return generate(model, [prompt], n, temperature=0)[0][0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_with_a_draft_is_identical_to_plain_greedy(pair, k):
+    target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
+    prompt = [1, 17, 42, 99, 7]
+    out, stats = speculative_generate(target, prompt, 40, k, draft=draft, temperature=0)
+    assert out == greedy(target, prompt, 40)
+    assert sum(stats["accept_histogram"]) == stats["target_forwards"] - 1
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(pair):
+    target, same = load_model(pair[0], "cpu", torch.float32), load_model(pair[0], "cpu", torch.float32)
+    out, stats = speculative_generate(target, [1, 5, 9], 25, 4, draft=same, temperature=0)
+    assert stats["acceptance_rate"] == 1.0 and stats["accept_histogram"][:4] == [0, 0, 0, 0]
+    assert out == greedy(target, [1, 5, 9], 25)
+
+
+def test_greedy_prompt_lookup_is_identical_to_plain_greedy(pair):
+    target = load_model(pair[0], "cpu", torch.float32)
+    prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21]
+    out, stats = speculative_generate(target, prompt, 30, 4, ngram=2, temperature=0)
+    assert out == greedy(target, prompt, 30)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
+def test_sampled_speculation_has_the_target_distribution(sampling):
+    """Two sampled tokens after a fixed prompt, 3000 times, against the exact joint distribution of the target."""
+    torch.manual_seed(0)
+    args = dict(vocab_size=8, n_layer=1, n_head=2, dim=16, intermediate_size=32, max_seq_len=32)
+    target, draft = Transformer(ModelArgs(**args)).eval(), Transformer(ModelArgs(**args)).eval()
+    for m in (target, draft):
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+    prompt = [1, 2, 3]
+    with torch.no_grad():
+        first = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
+        seconds = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)
+    joint = (first[:, None] * seconds).flatten()  # [V * V]
+    counts = torch.zeros(64)
+    for _ in range(3000):
+        out, _ = speculative_generate(target, prompt, 2, 2, draft=draft, **sampling)
+        counts[out[0] * 8 + out[1]] += 1
+    assert chi_square_p_value(counts, joint) > 1e-3
+
+
+def test_compiled_speculation_does_not_recompile_between_steps(pair, monkeypatch):
+    from torch._dynamo.utils import counters
+    target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
+    for name in ("draft_step", "verify"):
+        monkeypatch.setattr(speculative, name, torch.compile(getattr(speculative, name), fullgraph=True))
+    torch._dynamo.reset()
+    expected = greedy(target, [1, 2, 3], 30)
+    out, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, temperature=0)  # compiles
+    frames = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out2, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, temperature=0)
+    assert counters["stats"]["unique_graphs"] == frames == 2  # one draft step, one verify
+    assert out == out2 == expected
+
+
+def test_quantized_target_and_draft_keep_greedy_output(pair, tmp_path):
+    from quantize import quantize_checkpoint
+    target = load_model(quantize_checkpoint(pair[0], "int8", out_dir=tmp_path / "t"), "cpu", torch.bfloat16)
+    draft = load_model(quantize_checkpoint(pair[1], "int4", 32, out_dir=tmp_path / "d"), "cpu", torch.bfloat16)
+    out, _ = speculative_generate(target, [1, 8, 30], 20, 3, draft=draft, temperature=0)
+    assert out == greedy(target, [1, 8, 30], 20)
+
+
+# ---- the command line --------------------------------------------------------------------------------------------
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def test_cli_reports_acceptance_statistics(pair, tmp_path):
+    out = tmp_path / "m.json"
+    result = run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", pair[1], "--speculate_k", 3,
+                     "--max_new_tokens", 12, "--temperature", 0, "--ignore_eos", "--metrics_json", out)
+    assert result.returncode == 0, result.stderr
+    assert "acceptance rate" in result.stdout
+    metrics = json.loads(out.read_text())
+    assert {"mean_accepted", "acceptance_rate", "accept_histogram"} <= set(metrics)
+    assert len(metrics["accept_histogram"]) == 4 and len(metrics["samples"][0]["tokens"]) == 12
+
+
+def one_line_error(result):
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error:"), result.stderr
+    return result.stderr
+
+
+def test_cli_rejects_a_draft_with_another_tokenizer(pair, tiktoken_model_path, tmp_path):
+    import shutil
+    other = tmp_path / "draft"
+    shutil.copytree(pair[1], other)
+    shutil.copy(tiktoken_model_path, other / "tokenizer.model")
+    assert "tokenizer" in one_line_error(run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", other))
+
+
+def test_cli_rejects_a_draft_with_another_vocabulary(pair, sp_model_path, tmp_path):
+    hf = tmp_path / "hf"
+    save_hf_llama(hf, sp_model_path, vocab_size=384)  # the same tokenizer fits, the vocabularies differ
+    other = convert(hf, tmp_path / "draft")
+    assert "vocab_size" in one_line_error(run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", other))
+
+
+@pytest.mark.parametrize("flags, message", [(("--speculate_k", 0), "at least 1"),
+                                            (("--batch_size", 2), "batch size 1")])
+def test_cli_rejects_bad_speculation_flags(pair, flags, message):
+    result = run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", pair[1], *flags)
+    assert message in one_line_error(result)
