@@ -127,7 +127,10 @@ def logits_to_probs(logits, temperature: float = 1.0, top_k: Optional[int] = Non
 def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None):  # [B, V] -> [B]
     if temperature == 0:
         return logits.argmax(-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    return draw(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+def draw(probs):  # [B, V] -> [B]
     # argmax(p / Exp(1)) is an exact draw from p that, unlike torch.multinomial, never syncs with the host
     q = torch.empty_like(probs).exponential_(1).clamp_(min=torch.finfo(probs.dtype).tiny)
     return (probs / q).argmax(-1)

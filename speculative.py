@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import logits_to_probs
+from generate import draw, logits_to_probs
 
 
 def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -20,10 +20,6 @@ def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = No
     if temperature == 0:
         return F.one_hot(logits.argmax(-1), logits.size(-1)).float()
     return logits_to_probs(logits, temperature, top_k, top_p)
-
-
-def draw(probs: Tensor) -> Tensor:  # [N, V] -> [N]: argmax(p / Exp(1)) is an exact draw with no host sync
-    return (probs / torch.empty_like(probs).exponential_(1).clamp_(min=torch.finfo(probs.dtype).tiny)).argmax(-1)
 
 
 def draft_step(draft, cur, input_pos, **sampling):  # cur [1, 1], input_pos [1] -> token [1], probs [1, V]
