@@ -292,7 +292,9 @@ def parse_args(argv=None):
                    "the same tokenizer proposes --speculate_k tokens, the target verifies them in one pass")
     p.add_argument("--prompt_lookup", type=int, metavar="N", help="speculative decoding without a draft: propose "
                    "the tokens that followed the last earlier occurrence of the context's last N tokens")
-    p.add_argument("--speculate_k", type=int, default=5, help="tokens proposed per verify pass")
+    p.add_argument("--speculate_k", type=int, default=5, help="the most tokens proposed per verify pass; a draft "
+                   "model stops earlier when it grows unsure (threshold decoding), unless --fixed_k")
+    p.add_argument("--fixed_k", action="store_true", help="the draft model always proposes --speculate_k tokens")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
                    "as JSON (averaged over the samples after the first)")
     # one line, not argparse's usage block: the error is what the user needs to read
@@ -341,8 +343,10 @@ def summary(stats: dict, batch_size: int, model_bytes: int, device) -> dict:
 
 def print_summary(m: dict):
     if "acceptance_rate" in m:
-        print(f"Speculative: {m['tokens_per_sec']:.2f} tokens/sec overall | {m['target_forwards']} target forwards | "
-              f"mean accepted per verify: {m['mean_accepted']:.2f} | acceptance rate: {m['acceptance_rate']:.1%} | "
+        print(f"Speculative: decode {m['decode_tokens_per_sec']:.2f} tokens/sec | overall {m['tokens_per_sec']:.2f} | "
+              f"time to first token {m['ttft_ms']:.1f} ms | {m['target_forwards']} target forwards | "
+              f"mean drafted / accepted per verify: {m['mean_drafted']:.2f} / {m['mean_accepted']:.2f} | "
+              f"acceptance rate: {m['acceptance_rate']:.1%} | "
               f"total: {m['total_s']:.2f} s")
         print(f"Accepted proposals per verify (histogram, 0..k): {m['accept_histogram']}")
         return
@@ -384,17 +388,18 @@ def main(argv=None):
             rows, stats = generate(model, prompts, args.max_new_tokens, eos_id, callback, **sampling)
             return rows, summary(stats, args.batch_size, model_bytes, device)
         row, stats = speculative.speculative_generate(
-            model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup, eos_id,
-            callback and (lambda tokens: callback(torch.tensor([tokens]))), **sampling)
+            model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup,
+            not args.fixed_k, eos_id, callback and (lambda tokens: callback(torch.tensor([tokens]))), **sampling)
         return [row], speculative_summary(stats, device)
 
     torch.manual_seed(args.seed)
     compile_s = 0.0
     if args.compile:
         decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        if speculate:  # the draft's one-token step and the target's (k+1)-token verify each compile once
+        if speculate:  # the draft's one-token step compiles once, and the target's verify once for every length
             speculative.draft_step = torch.compile(speculative.draft_step, mode="reduce-overhead", fullgraph=True)
-            speculative.verify = torch.compile(speculative.verify, mode="reduce-overhead", fullgraph=True)
+            speculative.verify = torch.compile(speculative.verify, mode="reduce-overhead", fullgraph=True,
+                                               dynamic=True)
     if args.compile_prefill:
         prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
     if args.compile or args.compile_prefill:
@@ -444,9 +449,12 @@ def load_draft(path, target_dir: Path, model: Transformer, device, dtype) -> Tra
 
 
 def speculative_summary(stats: dict, device) -> dict:
+    decode_s = stats["total_s"] - stats["prefill_s"]  # the first token comes from prefill, as in summary()
     return {"tokens_per_sec": stats["new_tokens"] / stats["total_s"], "total_s": stats["total_s"],
+            "ttft_ms": 1e3 * stats["prefill_s"], "decode_tokens_per_sec": (stats["new_tokens"] - 1) / decode_s,
             "peak_memory_gb": peak_memory_gb(device), "target_forwards": stats["target_forwards"],
-            "mean_accepted": stats["mean_accepted"], "acceptance_rate": stats["acceptance_rate"],
+            "mean_accepted": stats["mean_accepted"], "mean_drafted": stats["mean_drafted"],
+            "acceptance_rate": stats["acceptance_rate"],
             "accept_histogram": stats["accept_histogram"]}
 
 

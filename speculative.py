@@ -1,17 +1,21 @@
-"""Speculative decoding: a cheap proposer guesses k tokens, the target scores all of them in one forward pass, and a
-rejection-sampling rule keeps a prefix of the guesses so that the output has exactly the target's distribution
-(Leviathan et al. 2023; Chen et al. 2023). Proposers: a small draft model, or prompt lookup, which copies what
-followed the most recent earlier occurrence of the context's last n-gram.
+"""Speculative decoding: a cheap proposer guesses up to k tokens, the target scores all of them in one forward pass,
+and a rejection-sampling rule keeps a prefix of the guesses so that the output has exactly the target's
+distribution (Leviathan et al. 2023; Chen et al. 2023). Proposers: a small draft model, or prompt lookup, which
+copies what followed the most recent earlier occurrence of the context's last n-gram.
 
-One target forward then costs about as much as one plain decode step (batch 1 reads the weights once either way)
-but yields between 1 and k + 1 tokens."""
+One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
+reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU without bf16 matrix units the verify
+pass costs nearly one step per position, which is why the adaptive rule below measures costs instead of assuming."""
+import math
+import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import draw, logits_to_probs
+from generate import device_sync, draw, logits_to_probs, prefill
 
 
 def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -22,69 +26,112 @@ def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = No
     return logits_to_probs(logits, temperature, top_k, top_p)
 
 
-def draft_step(draft, cur, input_pos, **sampling):  # cur [1, 1], input_pos [1] -> token [1], probs [1, V]
-    probs = probs_of(draft(cur, input_pos)[:, -1], **sampling)
-    return draw(probs), probs
+def draft_step(draft, cur, input_pos, **sampling):  # cur [1, 1], input_pos [1] -> token [1], probs [1, V], conf [1]
+    """One draft token, the distribution it was drawn from, and the draft's own probability of it (from the
+    softmax when greedy, whose proposal is one-hot): the adaptive rule multiplies these along the draft."""
+    logits = draft(cur, input_pos)[:, -1]
+    probs = probs_of(logits, **sampling)
+    token = draw(probs)
+    soft = probs if sampling.get("temperature", 0) > 0 else torch.softmax(logits.float(), -1)
+    return token, probs, soft.gather(-1, token[:, None])[:, 0]
 
 
-def verify(model, tokens, input_pos, **sampling):  # tokens [1, k+1], input_pos [k+1] -> probs [k+1, V]
+def verify(model, tokens, input_pos, **sampling):  # tokens [1, m+1], input_pos [m+1] -> probs [m+1, V]
     return probs_of(model(tokens, input_pos)[0], **sampling)
 
 
-def accept(p: Tensor, q: Tensor, proposed: Tensor, m: int) -> tuple[int, Tensor]:
+def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
     """Keep proposal i with probability min(1, p_i(x) / q_i(x)) until the first rejection; replace the rejected one
     by a draw from the residual max(0, p - q), normalized; if all m are kept, add a bonus draw from p.
-    p [k+1, V] target, q [k, V] proposer, proposed [k] (only the first m are real) -> (kept, next token [1])."""
+    p [m+1, V] target, q [m, V] proposer, proposed [m] -> (kept, next token [1])."""
+    m = proposed.numel()
     i = torch.arange(m, device=p.device)
-    ratio = p[i, proposed[:m]] / q[i, proposed[:m]]
+    ratio = p[i, proposed] / q[i, proposed]
     rejected = torch.rand(m, device=p.device) >= ratio  # rand < 1, so a ratio >= 1 always accepts
-    n = int(torch.where(rejected.any(), rejected.int().argmax(), m)) if m else 0  # the one host sync per round
+    n = int(torch.where(rejected.any(), rejected.int().argmax(), m))  # the round's decision: one host sync
     if n == m:
-        return n, draw(p[m : m + 1])
+        return n, draw(p[m:])
     residual = (p[n] - q[n]).clamp(min=0)
     return n, draw(residual[None] / residual.sum())
 
 
 def prompt_lookup(history: list[int], ngram: int, k: int) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of history's last `ngram` tokens."""
-    if len(history) <= ngram:
-        return []
-    tail = history[-ngram:]
-    for start in range(len(history) - ngram - 1, -1, -1):
-        if history[start : start + ngram] == tail:
-            return history[start + ngram : start + ngram + k]
+    """k tokens copied from after the most recent earlier occurrence of history's last n tokens, trying n = ngram
+    first and shorter n-grams after it. The copy may run into the tokens it is producing, as in LZ77, so a
+    repeating pattern is continued for all k tokens even when its period is short."""
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                seq = history[start + n :]
+                while len(seq) < k:
+                    seq = seq + seq[: k - len(seq)]
+                return seq[:k]
     return []
+
+
+@dataclass
+class Threshold:
+    """Threshold decoding: keep drafting while the draft's cumulative probability of its guesses is at least tau.
+    After each round tau moves so that the last drafted token is accepted about as often as it breaks even.
+    Drafting it, and verifying one more position, costs c seconds, in which the current rate r (tokens per
+    second) would have earned r * c tokens; so it pays when accepted with probability above r * c. Costs and
+    rate are measured as the generation runs, so the rule fits the device and the text in hand."""
+    tau: float = 0.5
+    step: float = 0.2  # how far log(tau) moves per round
+    draft_s: float = 0.0  # seconds per draft step
+    verify_s: dict = field(default_factory=dict)  # positions verified -> seconds
+    round_tokens: float = 0.0
+    round_s: float = 0.0
+
+    def breakeven(self) -> float:  # the acceptance probability at which one more draft token pays for itself
+        sizes = sorted(self.verify_s)
+        per_position = 0.0  # unknown until two sizes are seen: optimism makes the rule try longer drafts
+        if len(sizes) > 1:
+            per_position = max(0.0, (self.verify_s[sizes[-1]] - self.verify_s[sizes[0]]) / (sizes[-1] - sizes[0]))
+        return self.round_tokens / self.round_s * (self.draft_s + per_position)
+
+    def update(self, drafted: int, kept: int, draft_s: float, verify_s: float, round_s: float):
+        ema = lambda old, new: new if not old else 0.9 * old + 0.1 * new
+        self.draft_s = ema(self.draft_s, draft_s / drafted)
+        self.verify_s[drafted + 1] = ema(self.verify_s.get(drafted + 1), verify_s)
+        self.round_tokens, self.round_s = ema(self.round_tokens, kept + 1), ema(self.round_s, round_s)
+        last_kept = float(kept == drafted)
+        self.tau = min(1.0, max(1e-4, self.tau * math.exp(self.step * (self.breakeven() - last_kept))))
 
 
 @torch.no_grad()
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, draft=None,
-                         ngram: Optional[int] = None, eos_id: Optional[int] = None,
+                         ngram: Optional[int] = None, adaptive: bool = False, eos_id: Optional[int] = None,
                          callback: Optional[Callable] = None, **sampling) -> tuple[list[int], dict]:
-    """Batch-1 generation with a draft model (draft=...) or prompt lookup (ngram=...) proposing k tokens a round.
+    """Batch-1 generation with a draft model (draft=...) or prompt lookup (ngram=...) proposing up to k tokens a
+    round; with adaptive=True the draft's length is chosen each round by threshold decoding.
     Returns the new tokens (cut before EOS) and statistics: accepted[j] counts the rounds that kept j proposals."""
-    import time
-    from generate import device_sync, prefill
     if k < 1:
         raise ValueError(f"--speculate_k must be at least 1, got {k}")
     if (draft is None) == (ngram is None):
         raise ValueError("speculation needs exactly one proposer: a draft model or prompt lookup")
     device, T = model.tok_embeddings.weight.device, len(prompt)
-    length = T + max_new_tokens + k + 1  # a verify pass writes k + 1 cache slots past the last kept token
+    length = T + max_new_tokens + k + 1  # a verify pass writes up to k + 1 cache slots past the last kept token
     for m in (model, draft) if draft is not None else (model,):
         if length > m.args.max_seq_len:
             raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + speculate_k ({k}) + 1 "
                              f"exceeds the maximum sequence length {m.args.max_seq_len}")
         if m.max_batch_size < 1 or m.max_seq_length < length:
             m.setup_caches(1, length)
+    rule = Threshold() if adaptive and draft is not None else None
+    slots = torch.arange(length, device=device)  # positions are slices of this: no allocation or copy per step
+    proposed = torch.zeros(k, dtype=torch.long, device=device)  # compiled steps reuse their outputs: copy them out
+    q = torch.zeros(k, model.args.vocab_size, device=device)
     idx = torch.tensor([prompt], device=device)
     device_sync(device)
     t0 = time.perf_counter()
-    cur = prefill(model, idx, torch.arange(T, device=device), None, **sampling)  # [1]
+    cur = prefill(model, idx, slots[:T], None, **sampling)  # [1]
     if draft is not None:
-        draft(idx, torch.arange(T, device=device))
-    out, emitted, accepted = [], [int(cur)], [0] * (k + 1)
-    proposed = torch.zeros(k, dtype=torch.long, device=device)  # preallocated: compiled steps reuse their outputs
-    q = torch.zeros(k, model.args.vocab_size, device=device)
+        draft(idx, slots[:T])
+    device_sync(device)
+    prefill_s = time.perf_counter() - t0
+    out, emitted, accepted, drafted = [], [int(cur)], [0] * (k + 1), 0
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
         for token in emitted:
@@ -95,35 +142,40 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
             callback(out)
         if out[-1] == eos_id or len(out) >= max_new_tokens:
             break
+        t_round = time.perf_counter()
         if draft is not None:
-            t = cur.view(1, 1)
-            for i in range(k):  # no host sync: the draft's tokens stay on the device
-                nxt, probs = draft_step(draft, t, torch.tensor([pos + i], device=device), **sampling)
-                proposed[i], q[i] = nxt[0], probs[0]
-                t = proposed[i : i + 1].view(1, 1)
-            m = k
-        else:
-            guess = prompt_lookup(prompt + out, ngram, k)
+            t, cum, m = cur.view(1, 1), 1.0, 0
+            while m < k and (rule is None or cum >= rule.tau or m == 0):
+                nxt, probs, conf = draft_step(draft, t, slots[pos + m : pos + m + 1], **sampling)
+                proposed[m], q[m] = nxt[0], probs[0]
+                t, m = proposed[m : m + 1].view(1, 1), m + 1
+                if rule is not None:
+                    cum *= float(conf)  # a host sync per draft token: the price of deciding when to stop
+        else:  # a miss still proposes one token, so that verify sees at least two positions and compiles once
+            guess = prompt_lookup(prompt + out, ngram, k) or out[-1:]
             m = len(guess)
-            proposed.fill_(out[-1])  # padding: verify always scores k + 1 positions, so it compiles once
             proposed[:m] = torch.tensor(guess, dtype=torch.long)
-            q.zero_()
-            q[:m].scatter_(1, proposed[:m, None], 1.0)  # a deterministic guess is a one-hot proposal
-        tokens = torch.cat([cur.view(1), proposed])[None]  # [1, k+1]
-        p = verify(model, tokens, torch.arange(pos, pos + k + 1, device=device), **sampling)
-        n, cur = accept(p, q, proposed, m)
-        if draft is not None and n == k:  # the draft never saw its own last proposal: put it in its cache
-            draft_step(draft, proposed[k - 1 :].view(1, 1), torch.tensor([pos + k], device=device), **sampling)
+            q[:m] = F.one_hot(proposed[:m], q.size(1)).float()  # a deterministic guess is a one-hot proposal
+        t_verify = time.perf_counter()
+        p = verify(model, torch.cat([cur, proposed[:m]])[None], slots[pos : pos + m + 1], **sampling)
+        n, cur = accept(p, q[:m], proposed[:m])
+        t_accept = time.perf_counter()
+        if draft is not None and n == m:  # the draft never saw its own last proposal: put it in its cache
+            draft_step(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1], **sampling)
+        if rule is not None:
+            rule.update(m, n, t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round)
         accepted[n] += 1
-        emitted = proposed[:n].tolist() + [int(cur)]
+        drafted += m
+        emitted = torch.cat([proposed[:n], cur]).tolist()
         pos += n + 1
     device_sync(device)
     elapsed = time.perf_counter() - t0
     if eos_id is not None and eos_id in out:
         out = out[: out.index(eos_id)]
     rounds, kept = sum(accepted), sum(j * c for j, c in enumerate(accepted))
-    stats = {"total_s": elapsed, "new_tokens": len(out), "target_forwards": rounds + 1,  # + prefill
-             "accept_histogram": accepted,  # [j]: rounds that kept j of the k proposals
+    stats = {"total_s": elapsed, "prefill_s": prefill_s, "new_tokens": len(out), "target_forwards": rounds + 1,  # + prefill
+             "accept_histogram": accepted,  # [j]: rounds that kept j proposals
              "mean_accepted": kept / max(rounds, 1),  # proposals kept per verify pass; it also yields one more
-             "acceptance_rate": kept / max(rounds * k, 1)}
+             "mean_drafted": drafted / max(rounds, 1),
+             "acceptance_rate": kept / max(drafted, 1)}
     return out, stats

@@ -35,7 +35,7 @@ def test_accept_rule_emits_the_target_distribution():
     counts = torch.zeros(V)
     for _ in range(trials):
         proposed = torch.stack([torch.multinomial(q[i], 1)[0] for i in range(k)])
-        n, nxt = accept(p, q, proposed, k)
+        n, nxt = accept(p, q, proposed)
         counts[proposed[0] if n > 0 else nxt[0]] += 1  # the first token emitted
     assert chi_square_p_value(counts, p[0]) > 1e-3
 
@@ -43,7 +43,32 @@ def test_accept_rule_emits_the_target_distribution():
 def test_prompt_lookup_proposes_what_followed_the_last_match():
     assert prompt_lookup([5, 6, 7, 1, 2, 5, 6, 9, 5, 6], 2, 3) == [9, 5, 6]  # the most recent earlier match
     assert prompt_lookup([1, 2, 3, 4], 2, 3) == []
-    assert prompt_lookup([1, 2, 1, 2], 2, 5) == [1, 2]
+
+
+def test_prompt_lookup_backs_off_to_shorter_ngrams():
+    assert prompt_lookup([1, 2, 3, 9, 3], 2, 2) == [9, 3]  # no earlier (9, 3); the 1-gram 3 matched
+
+
+def test_prompt_lookup_continues_a_short_period_for_all_k_tokens():
+    assert prompt_lookup([1, 2, 1, 2], 2, 5) == [1, 2, 1, 2, 1]
+    assert prompt_lookup([7, 1, 2, 3, 1, 2], 2, 5) == [3, 1, 2, 3, 1]
+
+
+def test_threshold_drafts_longer_while_the_last_token_is_kept_and_shorter_when_not():
+    cheap, costly = speculative.Threshold(), speculative.Threshold()
+    for _ in range(20):  # a draft step costs 1% of a round here, and a third of it there
+        cheap.update(drafted=3, kept=3, draft_s=0.003, verify_s=0.1, round_s=0.103)
+        costly.update(drafted=3, kept=1, draft_s=0.3, verify_s=0.6, round_s=0.9)
+    assert cheap.tau < 0.5 < costly.tau
+
+
+def test_threshold_breakeven_is_the_rate_times_the_cost_of_one_more_token():
+    rule = speculative.Threshold()
+    rule.update(drafted=1, kept=1, draft_s=0.01, verify_s=0.02, round_s=0.03)  # 2 tokens in 30 ms
+    assert rule.breakeven() == pytest.approx(2 / 0.03 * 0.01)  # one size seen: verify's growth is unknown yet
+    rule.update(drafted=3, kept=1, draft_s=0.03, verify_s=0.04, round_s=0.07)  # 4 positions cost 20 ms more
+    rate = rule.round_tokens / rule.round_s
+    assert rule.breakeven() == pytest.approx(rate * (0.01 + 0.02 / 2))
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +83,11 @@ def greedy(model, prompt, n):
     return generate(model, [prompt], n, temperature=0)[0][0]
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_speculation_with_a_draft_is_identical_to_plain_greedy(pair, k):
+@pytest.mark.parametrize("k, adaptive", [(1, False), (3, False), (5, False), (5, True)])
+def test_greedy_speculation_with_a_draft_is_identical_to_plain_greedy(pair, k, adaptive):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
     prompt = [1, 17, 42, 99, 7]
-    out, stats = speculative_generate(target, prompt, 40, k, draft=draft, temperature=0)
+    out, stats = speculative_generate(target, prompt, 40, k, draft=draft, adaptive=adaptive, temperature=0)
     assert out == greedy(target, prompt, 40)
     assert sum(stats["accept_histogram"]) == stats["target_forwards"] - 1
 
@@ -81,7 +106,8 @@ def test_greedy_prompt_lookup_is_identical_to_plain_greedy(pair):
     assert out == greedy(target, prompt, 30)
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9),
+                                      dict(temperature=1.0, adaptive=True)])
 def test_sampled_speculation_has_the_target_distribution(sampling):
     """Two sampled tokens after a fixed prompt, 3000 times, against the exact joint distribution of the target."""
     torch.manual_seed(0)
@@ -91,9 +117,10 @@ def test_sampled_speculation_has_the_target_distribution(sampling):
         for p in m.parameters():
             torch.nn.init.normal_(p, std=0.5)
     prompt = [1, 2, 3]
+    dist = {k: v for k, v in sampling.items() if k != "adaptive"}
     with torch.no_grad():
-        first = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
-        seconds = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)
+        first = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **dist)[0]  # [V]
+        seconds = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **dist)
     joint = (first[:, None] * seconds).flatten()  # [V * V]
     counts = torch.zeros(64)
     for _ in range(3000):
@@ -102,19 +129,20 @@ def test_sampled_speculation_has_the_target_distribution(sampling):
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
-def test_compiled_speculation_does_not_recompile_between_steps(pair, monkeypatch):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_compiled_speculation_does_not_recompile_between_steps(pair, monkeypatch, adaptive):
     from torch._dynamo.utils import counters
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
-    for name in ("draft_step", "verify"):
-        monkeypatch.setattr(speculative, name, torch.compile(getattr(speculative, name), fullgraph=True))
+    monkeypatch.setattr(speculative, "draft_step", torch.compile(speculative.draft_step, fullgraph=True))
+    monkeypatch.setattr(speculative, "verify", torch.compile(speculative.verify, fullgraph=True, dynamic=True))
     torch._dynamo.reset()
     counters.clear()  # other tests compile too
     expected = greedy(target, [1, 2, 3], 30)
-    out, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, temperature=0)  # compiles
+    out, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive, temperature=0)
     frames = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        out2, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, temperature=0)
-    assert counters["stats"]["unique_graphs"] == frames == 2  # one draft step, one verify
+        out2, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive, temperature=0)
+    assert counters["stats"]["unique_graphs"] == frames == 2  # one draft step, one verify for every length
     assert out == out2 == expected
 
 
@@ -140,8 +168,16 @@ def test_cli_reports_acceptance_statistics(pair, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "acceptance rate" in result.stdout
     metrics = json.loads(out.read_text())
-    assert {"mean_accepted", "acceptance_rate", "accept_histogram"} <= set(metrics)
+    assert {"mean_accepted", "mean_drafted", "acceptance_rate", "accept_histogram"} <= set(metrics)
     assert len(metrics["accept_histogram"]) == 4 and len(metrics["samples"][0]["tokens"]) == 12
+
+
+def test_cli_fixed_k_drafts_k_tokens_every_round(pair, tmp_path):
+    out = tmp_path / "m.json"
+    result = run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", pair[1], "--speculate_k", 3,
+                     "--fixed_k", "--max_new_tokens", 12, "--temperature", 0, "--ignore_eos", "--metrics_json", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["mean_drafted"] == 3
 
 
 def one_line_error(result):

@@ -1,0 +1,191 @@
+"""Speculative decoding benchmark: plain greedy decoding against a draft model at fixed K = 2, 4, 6 and 8, the
+adaptive draft length, and prompt lookup, on the built-in pair with prompts from held-out standard-library files,
+all in one run on one machine. It also times the pieces a round is made of (a draft step, a plain target step, a
+verify pass over S positions) and predicts each fixed K's speedup from them and the measured acceptance, which
+says why a speedup is or is not there. Prints Markdown tables and writes the figures as JSON."""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import generate as gen  # noqa: E402
+import speculative  # noqa: E402
+from eval import read_texts, stdlib_files  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, DTYPES, device_sync, load_model, resolve_device  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+DRAFT = DEFAULT_CHECKPOINT.parent / "stdlib-draft"
+KS = (2, 4, 6, 8)
+
+
+def configs(draft, k_max: int, ngram: int) -> dict:  # label -> speculative_generate keywords (None: plain)
+    rows = {"plain": None}
+    rows.update({f"draft, K={k}": dict(k=k, draft=draft) for k in KS})
+    rows[f"draft, adaptive K<={k_max}"] = dict(k=k_max, draft=draft, adaptive=True)
+    rows[f"prompt lookup, n={ngram}, K<={k_max}"] = dict(k=k_max, ngram=ngram)
+    return rows
+
+
+def prompt_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
+    """Held-out code: a window from the middle of each of n held-out files. Copy-heavy: the same window followed by
+    its own first quarter, so that continuing means copying, as when editing code that is in the prompt.
+    Repetitive: generate.py's default prompt, whose greedy continuation by the built-in target falls into a loop."""
+    ids = [tokenizer.encode(t) for t in read_texts(stdlib_files("heldout"), "the held-out split")]
+    ids = [x for x in ids if len(x) >= 2 * length]
+    picked = [ids[i * len(ids) // n] for i in range(n)]
+    windows = [x[len(x) // 2 - length // 2 : len(x) // 2 + length // 2] for x in picked]
+    bos = [tokenizer.bos_id]
+    return {"held-out code": [bos + w for w in windows],
+            "copy-heavy": [bos + w[: length * 3 // 4] + w[: length // 4] for w in windows],
+            "repetitive": [tokenizer.encode("def fibonacci(n):", bos=True)]}
+
+
+def decode_rate(model, prompt: list[int], new_tokens: int, kwargs) -> tuple[float, dict]:
+    """Greedy decode tokens/sec after the first token (prefill is the same for every row), and the statistics."""
+    if kwargs is None:
+        _, st = gen.generate(model, [prompt], new_tokens, None, temperature=0)
+        return st["decode_steps"] / st["decode_s"], {}
+    kw = dict(kwargs)
+    out, st = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), temperature=0, **kw)
+    return (st["new_tokens"] - 1) / (st["total_s"] - st["prefill_s"]), st
+
+
+def seconds(f, n: int, device) -> float:  # median seconds per call
+    for _ in range(5):
+        f()
+    times = []
+    for _ in range(n):
+        device_sync(device)
+        t0 = time.perf_counter()
+        f()
+        device_sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def step_costs(model, draft, pos: int, k_max: int, device) -> dict:
+    """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
+    cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)
+    costs = {"target_step": seconds(lambda: gen.decode_one_token(model, cur, slot, None, temperature=0), 50, device),
+             "draft_step": seconds(lambda: speculative.draft_step(draft, cur, slot, temperature=0), 50, device)}
+    for s in range(2, max(k_max, *KS) + 2):
+        tokens = torch.zeros(1, s, dtype=torch.long, device=device)
+        slots = torch.arange(pos, pos + s, device=device)
+        costs[f"verify_{s}"] = seconds(lambda: speculative.verify(model, tokens, slots, temperature=0), 30, device)
+    return costs
+
+
+def predicted_speedup(k: int, hist: list[int], costs: dict) -> float:
+    """Tokens per round over seconds per round, relative to one token per plain step. A round drafts k tokens,
+    verifies k + 1 positions and, when all k are kept, feeds the last one to the draft."""
+    rounds = sum(hist)
+    tokens = 1 + sum(j * c for j, c in enumerate(hist)) / rounds
+    cost = (k + hist[k] / rounds) * costs["draft_step"] + costs[f"verify_{k + 1}"]
+    return tokens / cost * costs["target_step"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--prompts", type=int, default=4, help="prompts per set")
+    p.add_argument("--prompt_tokens", type=int, default=256)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row and prompt; the median is reported")
+    p.add_argument("--k_max", type=int, default=8, help="the adaptive rule's and prompt lookup's largest K")
+    p.add_argument("--ngram", type=int, default=3, help="prompt lookup's n-gram")
+    p.add_argument("--compile", action="store_true", help="compile the steps, as generate.py --compile does")
+    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"))
+    args = p.parse_args()
+    device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+    torch.manual_seed(0)
+    model, draft = load_model(DEFAULT_CHECKPOINT, device, dtype), load_model(DRAFT, device, dtype)
+    sets = prompt_sets(Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model"), args.prompts, args.prompt_tokens)
+    rows = configs(draft, args.k_max, args.ngram)
+    if args.compile:
+        gen.decode_one_token = torch.compile(gen.decode_one_token, mode="reduce-overhead", fullgraph=True)
+        speculative.draft_step = torch.compile(speculative.draft_step, mode="reduce-overhead", fullgraph=True)
+        speculative.verify = torch.compile(speculative.verify, mode="reduce-overhead", fullgraph=True, dynamic=True)
+    length = args.prompt_tokens + args.new_tokens + args.k_max + 1
+    for m in (model, draft):
+        m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
+    t0 = time.perf_counter()
+    for kwargs in rows.values():  # warm-up, and compilation
+        decode_rate(model, sets["held-out code"][0], 16, kwargs)
+    compile_s = time.perf_counter() - t0
+    # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
+    rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
+    stats = {s: {label: [] for label in rows} for s in sets}
+    for _ in range(args.repeats):
+        for s, ps in sets.items():
+            for i, prompt in enumerate(ps):
+                for label, kwargs in rows.items():
+                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs)
+                    rates[s][label][i].append(rate)
+                    stats[s][label].append(st)
+    costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device)
+    results = {"machine": machine(device), "dtype": args.dtype, "compile": args.compile, "compile_s": compile_s,
+               "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+               "repeats": args.repeats, "costs_ms": {k: 1e3 * v for k, v in costs.items()}, "sets": {}}
+    for s in sets:
+        results["sets"][s] = {}
+        for label, kwargs in rows.items():
+            # per prompt, the median over repeats; over the set, tokens over time (prompts have equal lengths)
+            med = [statistics.median(r) for r in rates[s][label]]
+            row = {"tokens_per_sec": len(med) / sum(1 / r for r in med)}
+            if kwargs is not None:
+                sts = stats[s][label]
+                hist = [sum(st["accept_histogram"][j] for st in sts) for j in range(kwargs["k"] + 1)]
+                rounds, drafted = sum(hist), sum(st["mean_drafted"] * sum(st["accept_histogram"]) for st in sts)
+                kept = sum(j * c for j, c in enumerate(hist))
+                row.update(mean_drafted=drafted / rounds, mean_accepted=kept / rounds,
+                           acceptance_rate=kept / drafted, accept_histogram=hist)
+                if kwargs.get("draft") is not None and not kwargs.get("adaptive"):
+                    row["predicted_speedup"] = predicted_speedup(kwargs["k"], hist, costs)
+            results["sets"][s][label] = row
+        plain = results["sets"][s]["plain"]["tokens_per_sec"]
+        for row in results["sets"][s].values():
+            row["speedup"] = row["tokens_per_sec"] / plain
+    print_tables(results)
+    args.json.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.json}")
+
+
+def machine(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    info = Path("/proc/cpuinfo")
+    names = [l.split(":", 1)[1].strip() for l in info.read_text().splitlines() if l.startswith("model name")] \
+        if info.exists() else []
+    return f"{names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
+
+
+def print_tables(r: dict):
+    print(f"\n{r['machine']}, {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, torch {torch.__version__}: "
+          f"{r['prompts']} prompts per set of {r['prompt_tokens']} tokens, {r['new_tokens']} new tokens, greedy, "
+          f"median of {r['repeats']}; compile and warm-up {r['compile_s']:.0f} s\n")
+    for s, rows in r["sets"].items():
+        print(f"**{s}**\n")
+        print("| | tokens/s | speedup | drafted / round | accepted / round | acceptance | predicted speedup |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for label, row in rows.items():
+            cells = [f"{row['tokens_per_sec']:.1f}", f"{row['speedup']:.2f}x"]
+            cells += [f"{row[k]:.2f}" for k in ("mean_drafted", "mean_accepted")] if "mean_drafted" in row else ["", ""]
+            cells.append(f"{row['acceptance_rate']:.0%}" if "acceptance_rate" in row else "")
+            cells.append(f"{row['predicted_speedup']:.2f}x" if "predicted_speedup" in row else "")
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        print()
+    c = r["costs_ms"]
+    verify = ", ".join(f"{s.split('_')[1]}: {v / c['target_step']:.2f}" for s, v in c.items() if s.startswith("verify"))
+    print(f"Costs, as fractions of one plain target step ({c['target_step']:.2f} ms): draft step "
+          f"{c['draft_step'] / c['target_step']:.2f}; verify pass over S positions, S = {verify}")
+
+
+if __name__ == "__main__":
+    main()
