@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 from safetensors import safe_open
 
+import tp
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 
@@ -73,21 +74,22 @@ def read_quantization(weights: Path) -> Optional[tuple[str, int]]:
     return mode, int(groupsize)
 
 
-def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transformer:
-    """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors to it."""
+def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16,
+               shard: Optional[tuple[int, int]] = None) -> Transformer:
+    """Build the model on the meta device (no memory, no init), then assign the checkpoint's tensors to it.
+    shard=(rank, world size) keeps only that rank's tensor-parallel slice (tp.py)."""
     ckpt_dir, weights = checkpoint_files(checkpoint_path)
     args = load_args(ckpt_dir)
     quantization = read_quantization(weights)
-    with torch.device("meta"):
-        model = Transformer(args)
-        if quantization:  # int8/int4 layers in place of nn.Linear; the file's metadata says which
-            from quantize import replace_linears
-            replace_linears(model, *quantization)
+    if shard:  # fail before reading anything when the model does not split evenly
+        import tp
+        local = tp.local_args(args, shard[1], quantization[1] if quantization and quantization[0] == "int4" else None)
+    model = meta_model(args, quantization)
     expected = model.state_dict()
     tied = args.tie_embeddings and not quantization  # a quantized head is stored apart from the embedding
     if tied:
         expected.pop("output.weight")
-    state = read_weights(weights, device, dtype)
+    state = read_weights(weights, "cpu" if shard else device, dtype)  # mmap'd on CPU until sharded
     what = f"config.json{' and the ' + quantization[0] + ' metadata' if quantization else ''} and {weights.name}"
     for k in sorted(expected.keys() | state.keys()):
         if k not in state or k not in expected:
@@ -98,13 +100,26 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> Transform
                 (not want.is_floating_point() and got.dtype != want.dtype):
             raise ValueError(f"{what} disagree: {k} is {str(got.dtype)[6:]} {tuple(got.shape)}, "
                              f"they need {str(want.dtype)[6:]} {tuple(want.shape)}")
+    if shard:
+        state, model = tp.shard_state(state, args, *shard, device), meta_model(local, quantization)
     model.load_state_dict(state, assign=True, strict=False)
     if tied:  # assign replaced the shared Parameter, so tie it again
         model.output.weight = model.tok_embeddings.weight
     if quantization:
         from quantize import pack_for_kernels
         pack_for_kernels(model, dtype)
+    if shard:
+        tp.all_reduce_outputs(model)
     return model.eval()
+
+
+def meta_model(args: ModelArgs, quantization: Optional[tuple[str, int]]) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+        if quantization:  # int8/int4 layers in place of nn.Linear; the file's metadata says which
+            from quantize import replace_linears
+            replace_linears(model, *quantization)
+    return model
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
@@ -352,18 +367,23 @@ def print_summary(m: dict):
         return
     print(f"Time to first token: {m['ttft_ms']:.1f} ms | decode: {m['decode_tokens_per_sec']:.2f} tokens/sec | "
           f"overall: {m['tokens_per_sec']:.2f} tokens/sec | total: {m['total_s']:.2f} s")
-    print(f"Bandwidth achieved: {m['bandwidth_gb_s']:.2f} GB/s | peak memory: {m['peak_memory_gb']:.2f} GB")
+    per_rank = m.get("peak_memory_gb_per_rank")
+    memory = " / ".join(f"{x:.2f}" for x in per_rank) + " GB per rank" if per_rank else f"{m['peak_memory_gb']:.2f} GB"
+    print(f"Bandwidth achieved: {m['bandwidth_gb_s']:.2f} GB/s | peak memory: {memory}")
 
 
 def main(argv=None):
     global prefill, decode_one_token
     args = parse_args(argv)
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+    distributed = tp.init_distributed(device)  # (rank, world, device) under torchrun, else None
+    if distributed:
+        device = distributed[2]
     ckpt_dir, _ = checkpoint_files(args.checkpoint_path)
     tokenizer = Tokenizer(ckpt_dir / "tokenizer.model")
     prompts = [tokenizer.encode(s, bos=True) for s in args.prompt]
     T = max(len(p) for p in prompts)
-    model = load_model(args.checkpoint_path, device, dtype)
+    model = load_model(args.checkpoint_path, device, dtype, distributed and distributed[:2])
     if tokenizer.vocab_size > model.args.vocab_size:
         raise ValueError(f"tokenizer ({tokenizer.vocab_size} tokens) does not fit the model's vocab_size "
                          f"{model.args.vocab_size}")
@@ -372,8 +392,9 @@ def main(argv=None):
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the maximum "
                          f"sequence length {min(max_seq_length, model.args.max_seq_len)}")
     model.setup_caches(args.batch_size, max_seq_length)
-    model_bytes = weight_bytes(model)
-    print(f"Loaded {args.checkpoint_path} ({model_bytes / 1e9:.3f} GB of weights read per step) on {device}, {args.dtype}")
+    model_bytes = int(tp.world_sum([weight_bytes(model)], device)[0])  # read per step by all ranks together
+    where = f"{distributed[1]} ranks, {device.type}" if distributed else device
+    print(f"Loaded {args.checkpoint_path} ({model_bytes / 1e9:.3f} GB of weights read per step) on {where}, {args.dtype}")
 
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     eos_id = None if args.ignore_eos else tokenizer.eos_id
@@ -424,6 +445,8 @@ def main(argv=None):
         texts = [tokenizer.decode(p + r)[len(tokenizer.decode(p)):] for p, r in zip(prompts, rows)]
         print("" if stream else "\n\n".join(s + t for s, t in zip(args.prompt, texts)))
         samples += [{"text": t, "tokens": r} for t, r in zip(texts, rows)]
+        if distributed:
+            figures["peak_memory_gb_per_rank"] = tp.world_gather(figures["peak_memory_gb"])
         results.append(figures)
         print(f"Sample {i + 1}/{args.num_samples}: {args.batch_size} x {max(len(r) for r in rows)} new tokens")
         print_summary(results[-1])
@@ -432,7 +455,10 @@ def main(argv=None):
         metrics = {k: sum(r[k] for r in kept) / len(kept) if isinstance(v, (int, float)) else kept[-1][k]
                    for k, v in results[0].items()}
         metrics.update(compile_s=compile_s, samples=samples)
-        args.metrics_json.write_text(json.dumps(metrics, indent=2))
+        if not distributed or distributed[0] == 0:
+            args.metrics_json.write_text(json.dumps(metrics, indent=2))
+    if distributed:
+        tp.dist.destroy_process_group()
 
 
 def load_draft(path, target_dir: Path, model: Transformer, device, dtype) -> Transformer:
@@ -463,3 +489,7 @@ if __name__ == "__main__":
         main()
     except (ValueError, OSError) as e:  # bad input: one line, no traceback
         sys.exit(f"error: {e}")
+    except RuntimeError as e:  # under torchrun, a collective fails when another rank dies or stops answering
+        if not tp.dist.is_initialized():
+            raise
+        sys.exit(f"error: rank {tp.dist.get_rank()} lost contact with the other ranks: {str(e).splitlines()[0]}")

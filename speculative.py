@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from generate import device_sync, draw, logits_to_probs, prefill
+from tp import world_sum
 
 
 def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -162,8 +163,9 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         t_accept = time.perf_counter()
         if draft is not None and n == m:  # the draft never saw its own last proposal: put it in its cache
             draft_step(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1], **sampling)
-        if rule is not None:
-            rule.update(m, n, t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round)
+        if rule is not None:  # under tensor parallelism every rank must draft alike: they share their timings
+            times = [t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round]
+            rule.update(m, n, *world_sum(times, device, mean=True))
         accepted[n] += 1
         drafted += m
         emitted = torch.cat([proposed[:n], cur]).tolist()

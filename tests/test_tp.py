@@ -1,0 +1,136 @@
+"""tp.py: tensor parallelism over torch.distributed, checked with 2 CPU processes on gloo."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tp
+from conftest import convert, save_hf_llama
+from generate import generate, load_args, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [1, 17, 42, 99, 7, 120, 5]
+
+
+def torchrun(n: int, *args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, sp_model_path):
+    """4 heads, 2 KV heads and a feed-forward of 128: halves hold whole int4 groups of 32."""
+    hf = tmp_path_factory.mktemp("hf_tp")
+    save_hf_llama(hf, sp_model_path, intermediate_size=128)
+    return convert(hf, tmp_path_factory.mktemp("tp") / "ckpt")
+
+
+@pytest.fixture(scope="module", params=["float32", "int8", "int4"])
+def variant(request, ckpt, tmp_path_factory):
+    if request.param == "float32":
+        return ckpt
+    from quantize import quantize_checkpoint
+    return quantize_checkpoint(ckpt, request.param, 32, out_dir=tmp_path_factory.mktemp("q") / request.param)
+
+
+def test_two_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path):
+    result = torchrun(2, ROOT / "tests" / "tp_worker.py", variant, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    single = load_model(variant, "cpu", torch.float32)
+    single.setup_caches(1, 64)
+    with torch.no_grad():
+        expected = single(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+    torch.testing.assert_close(load_file(tmp_path / "logits.safetensors")["logits"], expected, rtol=1e-5, atol=1e-5)
+    assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0)[0][0]
+
+
+def test_shards_of_all_ranks_reassemble_the_checkpoint(ckpt):
+    from generate import read_weights
+    state, args = read_weights(ckpt / "model.safetensors", "cpu", torch.float32), load_args(ckpt)
+    shards = [tp.shard_state(state, args, r, 2, "cpu") for r in range(2)]
+    qkv = [args.n_head * args.head_dim, args.n_kv_head * args.head_dim, args.n_kv_head * args.head_dim]
+    wqkv = [s["layers.0.attention.wqkv.weight"].split([n // 2 for n in qkv]) for s in shards]
+    full = torch.cat([torch.cat([wqkv[0][i], wqkv[1][i]]) for i in range(3)])  # q of both, then k, then v
+    assert torch.equal(full, state["layers.0.attention.wqkv.weight"])
+    assert torch.equal(torch.cat([s["layers.0.feed_forward.w1.weight"] for s in shards]),
+                       state["layers.0.feed_forward.w1.weight"])
+    assert torch.equal(torch.cat([s["layers.0.feed_forward.w2.weight"] for s in shards], 1),
+                       state["layers.0.feed_forward.w2.weight"])
+    assert torch.equal(shards[1]["tok_embeddings.weight"], state["tok_embeddings.weight"])  # replicated
+
+
+def test_a_model_that_does_not_split_evenly_is_refused(ckpt):
+    with pytest.raises(ValueError, match="n_head 4 is not divisible by the world size 3"):
+        tp.local_args(load_args(ckpt), 3)
+    with pytest.raises(ValueError, match="int4 group size 128"):  # each rank's w2 would hold 64 of a group's 128
+        tp.local_args(load_args(ckpt), 2, groupsize=128)
+
+
+# ---- under torchrun, from the command line ------------------------------------------------------------------------
+
+def single_greedy(ckpt, n: int) -> list[int]:  # what one process generates from the default prompt
+    from tokenizer import Tokenizer
+    prompt = Tokenizer(ckpt / "tokenizer.model").encode("def fibonacci(n):", bos=True)
+    return generate(load_model(ckpt, "cpu", torch.float32), [prompt], n, temperature=0)[0][0]
+
+
+def test_cli_compiled_two_ranks_match_one_process_and_only_rank_0_prints(ckpt, tmp_path):
+    out = tmp_path / "m.json"
+    result = torchrun(2, "generate.py", "--checkpoint_path", ckpt, "--temperature", 0, "--max_new_tokens", 12,
+                      "--ignore_eos", "--dtype", "float32", "--compile", "--metrics_json", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("Sample 1/1") == 1 and "GB per rank" in result.stdout
+    metrics = json.loads(out.read_text())
+    assert len(metrics["peak_memory_gb_per_rank"]) == 2
+    assert metrics["samples"][0]["tokens"] == single_greedy(ckpt, 12)
+
+
+def test_cli_speculative_decoding_with_a_replicated_draft(ckpt, tmp_path, sp_model_path):
+    hf = tmp_path / "hf"
+    save_hf_llama(hf, sp_model_path, seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    draft = convert(hf, tmp_path / "draft")
+    out = tmp_path / "m.json"
+    result = torchrun(2, "generate.py", "--checkpoint_path", ckpt, "--draft_checkpoint_path", draft,
+                      "--temperature", 0, "--max_new_tokens", 16, "--ignore_eos", "--dtype", "float32",
+                      "--metrics_json", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text())["samples"][0]["tokens"] == single_greedy(ckpt, 16)
+
+
+def test_cli_every_rank_reports_a_world_size_that_does_not_divide_the_heads(ckpt):
+    result = torchrun(3, "generate.py", "--checkpoint_path", ckpt, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("error: n_head 4 is not divisible by the world size 3") == 3
+
+
+def test_when_a_rank_dies_the_other_exits_with_one_line(ckpt):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "generate.py", "--checkpoint_path", str(ckpt), "--max_new_tokens", "200", "--ignore_eos",
+           "--num_samples", "1000"]
+    ranks = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                              stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL)
+             for r in range(2)]
+    try:
+        assert "Loaded" in ranks[0].stdout.readline()  # both ranks are up and generating
+        time.sleep(1)
+        ranks[1].send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        _, err = ranks[0].communicate(timeout=tp.TIMEOUT.total_seconds() + 30)
+        assert ranks[0].returncode != 0 and time.monotonic() - start < tp.TIMEOUT.total_seconds() + 30
+        assert err.strip().startswith("error: rank 0 lost contact") and len(err.strip().splitlines()) == 1, err
+    finally:
+        for p in ranks:
+            p.kill()

@@ -1,0 +1,102 @@
+"""Tensor parallelism (Megatron-style) over torch.distributed, launched with torchrun: NCCL with one GPU per rank,
+or gloo with CPU processes.
+
+Each rank holds 1/W of every transformer layer: wqkv, w1 and w3 are split by output rows (column-parallel; q, k
+and v each by heads), wo and w2 by input columns (row-parallel), and the partial outputs of wo and w2 are summed
+by an all-reduce. A layer thus needs two all-reduces of [B, S, dim] and reads only its own 1/W of the weights.
+The embedding and the output head are replicated: every rank computes identical logits and, seeded alike,
+samples the same token, so no rank waits for another to broadcast it.
+
+The split is done on the checkpoint's tensors before they reach the device, so a rank never holds the whole
+model; the local model is built from `local_args`, whose head counts and feed-forward width are 1/W of the full
+ones, so its attention, shapes and KV cache (n_kv_head / W heads) need no special case."""
+import dataclasses
+import os
+import sys
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+# a dead rank leaves the others blocked in a collective; this bounds the wait (torchrun also stops them at once)
+TIMEOUT = timedelta(seconds=120)
+COLUMN = ("attention.wqkv", "feed_forward.w1", "feed_forward.w3")
+ROW = ("attention.wo", "feed_forward.w2")
+
+
+def init_distributed(device: torch.device) -> Optional[tuple[int, int, torch.device]]:
+    """(rank, world size, this rank's device) when launched by torchrun, else None. Only rank 0 prints."""
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT,
+                            device_id=device if device.type == "cuda" else None)
+    if rank > 0:
+        sys.stdout = open(os.devnull, "w")
+    return rank, world, device
+
+
+def local_args(args, world: int, groupsize: Optional[int] = None):
+    """The shapes one of `world` ranks holds; raises, on every rank alike, when the model does not split evenly."""
+    for name in ("n_head", "n_kv_head", "intermediate_size"):
+        if getattr(args, name) % world:
+            raise ValueError(f"{name} {getattr(args, name)} is not divisible by the world size {world}")
+    if groupsize:  # a row-parallel shard must hold whole int4 groups
+        for name, k in (("n_head * head_dim", args.n_head * args.head_dim), ("intermediate_size", args.intermediate_size)):
+            if (k // world) % groupsize:
+                raise ValueError(f"{name} / world size = {k // world} is not a multiple of the int4 group size "
+                                 f"{groupsize}; quantize with a smaller --groupsize")
+    return dataclasses.replace(args, n_head=args.n_head // world, n_kv_head=args.n_kv_head // world,
+                               intermediate_size=args.intermediate_size // world)
+
+
+def shard_state(state: dict, args, rank: int, world: int, device) -> dict:
+    """This rank's slice of every tensor, moved to `device`. Float, int8 and int4 layouts all keep output rows on
+    dim 0 and input columns (or column groups, or packed column pairs) on dim 1, so one rule serves all three.
+    Per-output-channel int8 scales of a row-parallel layer apply after the sum, so they are replicated."""
+    hd = args.head_dim
+    qkv = [args.n_head * hd, args.n_kv_head * hd, args.n_kv_head * hd]
+    out = {}
+    for key, t in state.items():
+        layer = key.rsplit(".", 1)[0]
+        if layer.endswith(COLUMN[0]):  # q, k and v are stacked: take this rank's heads of each
+            t = torch.cat([part.chunk(world, 0)[rank] for part in t.split(qkv, 0)])
+        elif layer.endswith(COLUMN[1:]):
+            t = t.chunk(world, 0)[rank]
+        elif layer.endswith(ROW) and t.dim() == 2:
+            t = t.chunk(world, 1)[rank]
+        out[key] = t.contiguous().to(device)  # contiguous: a copy of the slice, not a view pinning the whole file
+    return out
+
+
+def all_reduce_outputs(model) -> None:
+    """Sum the row-parallel layers' partial outputs over the ranks. Functional collectives are ordinary ops to
+    torch.compile, so the compiled decode step stays one graph."""
+    group = dist.group.WORLD
+    for name, module in model.named_modules():
+        if name.endswith(ROW):
+            module.register_forward_hook(lambda _m, _in, y: funcol.all_reduce(y, "sum", group))
+
+
+def world_sum(values: list[float], device, mean: bool = False) -> list[float]:
+    """Sum (or average) host figures over the ranks: aggregate bandwidth, and the adaptive draft rule's timings,
+    which must agree on every rank or the ranks would draft different lengths; identity alone."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size() if mean else t).tolist()
+
+
+def world_gather(value: float) -> list[float]:  # one figure per rank, e.g. peak memory
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
