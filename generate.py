@@ -247,8 +247,10 @@ def peak_memory_gb(device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     if device.type == "mps":
         return torch.mps.driver_allocated_memory() / 1e9
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the process's peak: KiB on Linux, bytes on macOS
-    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+    status = Path("/proc/self/status")
+    if status.exists():  # Linux: VmHWM is this process's peak; ru_maxrss would include a parent's, kept across exec
+        return next(int(l.split()[1]) for l in status.read_text().splitlines() if l.startswith("VmHWM")) * 1024 / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9  # macOS: bytes
 
 
 def resolve_device(name: str) -> torch.device:

@@ -17,8 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from eval import read_texts, stdlib_files  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, DTYPES, device_sync, load_model, resolve_device  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, DTYPES, load_model, resolve_device  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import timed as seconds  # noqa: E402  (median seconds per call)
 
 DRAFT = DEFAULT_CHECKPOINT.parent / "stdlib-draft"
 KS = (2, 4, 6, 8)
@@ -54,19 +57,6 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs) -> tuple[floa
     kw = dict(kwargs)
     out, st = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), temperature=0, **kw)
     return (st["new_tokens"] - 1) / (st["total_s"] - st["prefill_s"]), st
-
-
-def seconds(f, n: int, device) -> float:  # median seconds per call
-    for _ in range(5):
-        f()
-    times = []
-    for _ in range(n):
-        device_sync(device)
-        t0 = time.perf_counter()
-        f()
-        device_sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def step_costs(model, draft, pos: int, k_max: int, device) -> dict:
