@@ -460,7 +460,7 @@ def main(argv=None):
         if not distributed or distributed[0] == 0:
             args.metrics_json.write_text(json.dumps(metrics, indent=2))
     if distributed:
-        tp.dist.destroy_process_group()
+        tp.finish()
 
 
 def load_draft(path, target_dir: Path, model: Transformer, device, dtype) -> Transformer:

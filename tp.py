@@ -42,6 +42,13 @@ def init_distributed(device: torch.device) -> Optional[tuple[int, int, torch.dev
     return rank, world, device
 
 
+def finish():
+    """Leave together: a rank that closed its connections while another was still writing its results would make
+    gloo's reader thread on the other side fail, which aborts that process."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def local_args(args, world: int, groupsize: Optional[int] = None):
     """The shapes one of `world` ranks holds; raises, on every rank alike, when the model does not split evenly."""
     for name in ("n_head", "n_kv_head", "intermediate_size"):

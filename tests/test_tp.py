@@ -43,7 +43,7 @@ def variant(request, ckpt, tmp_path_factory):
 
 def test_two_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path):
     result = torchrun(2, ROOT / "tests" / "tp_worker.py", variant, tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[:3000]  # the head holds the ranks' own messages
     single = load_model(variant, "cpu", torch.float32)
     single.setup_caches(1, 64)
     with torch.no_grad():

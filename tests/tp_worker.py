@@ -22,4 +22,4 @@ tokens = generate(model, [prompt], 20, temperature=0)[0][0]
 if rank == 0:
     save_file({"logits": logits.contiguous()}, out / "logits.safetensors")
     (out / "tokens.json").write_text(json.dumps(tokens))
-tp.dist.destroy_process_group()
+tp.finish()
