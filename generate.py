@@ -82,7 +82,6 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16,
     args = load_args(ckpt_dir)
     quantization = read_quantization(weights)
     if shard:  # fail before reading anything when the model does not split evenly
-        import tp
         local = tp.local_args(args, shard[1], quantization[1] if quantization and quantization[0] == "int4" else None)
     model = meta_model(args, quantization)
     expected = model.state_dict()
@@ -328,6 +327,7 @@ def parse_args(argv=None):
               (args.prompt_lookup is None or args.prompt_lookup >= 1, "--prompt_lookup must be at least 1"),
               (not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
                "--prompt_lookup, not both"),
+              (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
               (all(s.strip() for s in args.prompt or ["x"]), "the prompt is empty")]
     for ok, msg in checks:
         if not ok:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import generate as gen  # noqa: E402
 from bench_quantize import cpu_name, random_checkpoint  # noqa: E402
+from model import transformer_configs  # noqa: E402
 from generate import DEFAULT_CHECKPOINT, device_sync, load_model, peak_memory_gb, resolve_device, weight_bytes  # noqa: E402
 
 SHAPES = {"cpu": ["built-in", "TinyLlama-1.1B"], "cuda": ["built-in", "TinyLlama-1.1B", "Llama-2-7b"]}
@@ -102,7 +103,8 @@ def run_one(cfg: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
-    p.add_argument("--shapes", nargs="+", help="default: the built-in target, TinyLlama-1.1B, and Llama-2-7b on GPU")
+    p.add_argument("--shapes", nargs="+", choices=["built-in", *transformer_configs],
+                   help="default: the built-in target, TinyLlama-1.1B, and Llama-2-7b on GPU")
     p.add_argument("--weights", nargs="+", default=["bf16", "int8", "int4"], choices=["bf16", "int8", "int4"])
     p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])

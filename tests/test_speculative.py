@@ -206,3 +206,8 @@ def test_cli_rejects_a_draft_with_another_vocabulary(pair, sp_model_path, tmp_pa
 def test_cli_rejects_bad_speculation_flags(pair, flags, message):
     result = run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", pair[1], *flags)
     assert message in one_line_error(result)
+
+
+def test_cli_rejects_fixed_k_without_a_draft(pair):
+    result = run_cli("--checkpoint_path", pair[0], "--prompt_lookup", 2, "--fixed_k")
+    assert "--fixed_k needs --draft_checkpoint_path" in one_line_error(result)
