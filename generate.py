@@ -1,5 +1,6 @@
 """Generate text: prefill the static KV cache with the prompt, then decode one token per step.
-The decode step is small and shape-static, so torch.compile (mode="reduce-overhead") turns it into one CUDA graph."""
+The decode step is small and shape-static within a cache-length bucket, so torch.compile (mode="reduce-overhead")
+turns it into a CUDA graph that replays every step."""
 import argparse
 import json
 import resource
@@ -12,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 import tp
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, kv_bucket
 from tokenizer import Tokenizer
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "stdlib-target"
@@ -152,25 +153,35 @@ def draw(probs):  # [B, V] -> [B]
 
 # ---- decoding ----------------------------------------------------------------------------------------------------
 
-def prefill(model, idx, input_pos, left_pad, **sampling):  # idx [B, S], input_pos [S], left_pad [B]|None -> [B]
-    return sample(model(idx, input_pos, left_pad)[:, -1], **sampling)
+def prefill(model, idx, input_pos, left_pad, kv_len, **sampling):  # idx [B, S], input_pos [S], left_pad [B]|None -> [B]
+    return sample(model(idx, input_pos, left_pad, kv_len)[:, -1], **sampling)
 
 
-def decode_one_token(model, cur, input_pos, left_pad, **sampling):  # cur [B, 1], input_pos [1] -> [B]
-    return sample(model(cur, input_pos, left_pad)[:, -1], **sampling)
+def decode_one_token(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]
+    return sample(model(cur, input_pos, left_pad, kv_len)[:, -1], **sampling)
+
+
+def compile_step(step: Callable) -> Callable:
+    """Compile a decode step whole (no graph breaks), as CUDA graphs on a GPU ("reduce-overhead"). dynamic: one
+    compilation serves every cache length kv_bucket picks and every verify length; a CUDA graph is still recorded
+    per length, a handful in all."""
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
 
 
 STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only every few steps, as each look syncs
 
 
-def decode_n_tokens(model, out, input_pos, left_pad, eos_id: Optional[int], callback: Optional[Callable],
+def decode_n_tokens(model, out, pos: int, left_pad, eos_id: Optional[int], callback: Optional[Callable],
                     **sampling) -> int:
-    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token). Returns the number of columns filled."""
+    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos).
+    Returns the number of columns filled."""
+    input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
     done = out[:, 0] == eos_id if eos_id is not None else None  # [B]
     for i in range(1, out.size(1)):
         if done is not None and i % STOP_CHECK_EVERY == 0 and bool(done.all()):
             return i
-        nxt = decode_one_token(model, out[:, i - 1 : i], input_pos, left_pad, **sampling)
+        kv_len = kv_bucket(pos + i, model.max_seq_length)
+        nxt = decode_one_token(model, out[:, i - 1 : i], input_pos, left_pad, kv_len, **sampling)
         input_pos += 1  # in place: the compiled step reads the same tensor every time
         if done is not None:  # a finished row keeps emitting EOS, so shapes stay fixed
             nxt = torch.where(done, eos_id, nxt)
@@ -214,13 +225,13 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     device_sync(device)
     t0 = time.perf_counter()
-    out[:, 0] = prefill(model, idx, torch.arange(T, device=device), left_pad, **sampling)
+    out[:, 0] = prefill(model, idx, torch.arange(T, device=device), left_pad, kv_bucket(T, model.max_seq_length),
+                        **sampling)
     if callback is not None:
         callback(out[:, :1])
     device_sync(device)
     t1 = time.perf_counter()
-    input_pos = torch.tensor([T], device=device)
-    steps = decode_n_tokens(model, out, input_pos, left_pad, eos_id, callback, **sampling)
+    steps = decode_n_tokens(model, out, T, left_pad, eos_id, callback, **sampling)
     device_sync(device)
     t2 = time.perf_counter()
 
@@ -418,11 +429,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     compile_s = 0.0
     if args.compile:
-        decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
-        if speculate:  # the draft's one-token step compiles once, and the target's verify once for every length
-            speculative.draft_step = torch.compile(speculative.draft_step, mode="reduce-overhead", fullgraph=True)
-            speculative.verify = torch.compile(speculative.verify, mode="reduce-overhead", fullgraph=True,
-                                               dynamic=True)
+        decode_one_token = compile_step(decode_one_token)
+        if speculate:
+            speculative.draft_step, speculative.verify = map(compile_step, (speculative.draft_step, speculative.verify))
     if args.compile_prefill:
         prefill = torch.compile(prefill, dynamic=True, fullgraph=True)
     if args.compile or args.compile_prefill:

@@ -149,7 +149,9 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (max_batch_size, n_kv_head, max_seq_length, head_dim)
+        # one spare slot, never read: attention reads a slice of the cache, and were a slice ever the whole buffer
+        # it would be contiguous where the others are not, and torch.compile would compile that case again
+        shape = (max_batch_size, n_kv_head, max_seq_length + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -158,7 +160,7 @@ class KVCache(nn.Module):
         k_out, v_out = self.k_cache[: k.size(0)], self.v_cache[: k.size(0)]
         k_out[:, :, input_pos] = k
         v_out[:, :, input_pos] = v
-        return k_out, v_out  # [B, H_kv, max_seq_length, D]
+        return k_out, v_out  # [B, H_kv, max_seq_length + 1, D]
 
 
 class Linear(nn.Linear):
@@ -182,7 +184,7 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
-        B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, max_seq_length] or None for plain causal
+        B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, L <= max_seq_length] or None for plain causal
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs_cis)
@@ -190,6 +192,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         if input_pos is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
+            # read only the first L slots, those the mask covers: a short context in a long cache costs what it
+            # would in a short cache, instead of streaming every allocated slot each step
+            k, v = k[:, :, : mask.size(-1)], v[:, :, : mask.size(-1)]
         # enable_gqa lets several query heads share a KV head without copying the cache n_head/n_kv_head times
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=self.n_head != self.n_kv_head)
@@ -246,11 +251,14 @@ class Transformer(nn.Module):
                                               self.args.rope_scaling, device)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
-    def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None,
+                kv_len: Optional[int] = None) -> Tensor:
         """idx [B, S] token ids -> logits [B, S, vocab].
 
         With input_pos [S] (cache slots), attend through the KV cache; left_pad [B] counts each row's leading pad
         tokens, which are masked out and shift that row's RoPE positions so it sees exactly what it would alone.
+        kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
+        cache slots (see kv_bucket). The default is the whole cache.
         Without input_pos, run plain causal attention over idx and touch no cache (training, perplexity)."""
         if input_pos is None:
             freqs_cis = precompute_freqs_cis(idx.size(1), self.args.head_dim, self.args.rope_base,
@@ -261,17 +269,24 @@ class Transformer(nn.Module):
                 raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
             pos = input_pos[None] if left_pad is None else (input_pos[None] - left_pad[:, None]).clamp(min=0)
             freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
-            mask = self.cache_mask(input_pos, left_pad)
+            mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, freqs_cis, mask, input_pos)
         return self.output(self.norm(x))
 
-    def cache_mask(self, input_pos: Tensor, left_pad: Optional[Tensor]) -> Tensor:  # -> [B|1, 1, S, max_seq_length]
+    def cache_mask(self, input_pos: Tensor, left_pad: Optional[Tensor], kv_len: int) -> Tensor:  # -> [B|1, 1, S, kv_len]
         # built from input_pos each call rather than sliced from an [L, L] table: that table is 17 GB at L = 128k
-        slots = torch.arange(self.max_seq_length, device=input_pos.device)
+        slots = torch.arange(kv_len, device=input_pos.device)
         mask = slots <= input_pos[:, None]  # [S, L] causal over cache slots
         if left_pad is not None:
             # hide each row's pad slots; a pad query still sees itself, so no softmax row is empty (that gives NaN)
             mask = mask & ((slots >= left_pad[:, None, None]) | (slots == input_pos[:, None]))  # [B, S, L]
         return mask[:, None] if mask.dim() == 3 else mask[None, None]
+
+
+def kv_bucket(n: int, max_seq_length: int) -> int:
+    """The kv_len for a step whose positions are all below n: the next power of two (at least 256), capped at the
+    cache. A 100-token context in a 32k cache then reads 256 slots per step, and a compiled step sees only
+    log2(max_seq_length / 256) lengths, so CUDA graphs are recorded a few times, not once per token."""
+    return min(max_seq_length, max(256, 1 << (n - 1).bit_length()))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from generate import device_sync, draw, logits_to_probs, prefill
+from model import kv_bucket
 from tp import world_sum
 
 
@@ -27,18 +28,18 @@ def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = No
     return logits_to_probs(logits, temperature, top_k, top_p)
 
 
-def draft_step(draft, cur, input_pos, **sampling):  # cur [1, 1], input_pos [1] -> token [1], probs [1, V], conf [1]
+def draft_step(draft, cur, input_pos, kv_len, **sampling):  # cur [1, 1], input_pos [1] -> token [1], probs [1, V], conf [1]
     """One draft token, the distribution it was drawn from, and the draft's own probability of it (from the
     softmax when greedy, whose proposal is one-hot): the adaptive rule multiplies these along the draft."""
-    logits = draft(cur, input_pos)[:, -1]
+    logits = draft(cur, input_pos, None, kv_len)[:, -1]
     probs = probs_of(logits, **sampling)
     token = draw(probs)
     soft = probs if sampling.get("temperature", 0) > 0 else torch.softmax(logits.float(), -1)
     return token, probs, soft.gather(-1, token[:, None])[:, 0]
 
 
-def verify(model, tokens, input_pos, **sampling):  # tokens [1, m+1], input_pos [m+1] -> probs [m+1, V]
-    return probs_of(model(tokens, input_pos)[0], **sampling)
+def verify(model, tokens, input_pos, kv_len, **sampling):  # tokens [1, m+1], input_pos [m+1] -> probs [m+1, V]
+    return probs_of(model(tokens, input_pos, None, kv_len)[0], **sampling)
 
 
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
@@ -127,9 +128,9 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     idx = torch.tensor([prompt], device=device)
     device_sync(device)
     t0 = time.perf_counter()
-    cur = prefill(model, idx, slots[:T], None, **sampling)  # [1]
+    cur = prefill(model, idx, slots[:T], None, kv_bucket(T, model.max_seq_length), **sampling)  # [1]
     if draft is not None:
-        draft(idx, slots[:T])
+        draft(idx, slots[:T], None, kv_bucket(T, draft.max_seq_length))
     device_sync(device)
     prefill_s = time.perf_counter() - t0
     out, emitted, accepted, drafted = [], [int(cur)], [0] * (k + 1), 0
@@ -147,7 +148,8 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         if draft is not None:
             t, cum, m = cur.view(1, 1), 1.0, 0
             while m < k and (rule is None or cum >= rule.tau or m == 0):
-                nxt, probs, conf = draft_step(draft, t, slots[pos + m : pos + m + 1], **sampling)
+                nxt, probs, conf = draft_step(draft, t, slots[pos + m : pos + m + 1],
+                                              kv_bucket(pos + m + 1, draft.max_seq_length), **sampling)
                 proposed[m], q[m] = nxt[0], probs[0]
                 t, m = proposed[m : m + 1].view(1, 1), m + 1
                 if rule is not None:
@@ -158,11 +160,13 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
             proposed[:m] = torch.tensor(guess, dtype=torch.long)
             q[:m] = F.one_hot(proposed[:m], q.size(1)).float()  # a deterministic guess is a one-hot proposal
         t_verify = time.perf_counter()
-        p = verify(model, torch.cat([cur, proposed[:m]])[None], slots[pos : pos + m + 1], **sampling)
+        p = verify(model, torch.cat([cur, proposed[:m]])[None], slots[pos : pos + m + 1],
+                   kv_bucket(pos + m + 1, model.max_seq_length), **sampling)
         n, cur = accept(p, q[:m], proposed[:m])
         t_accept = time.perf_counter()
         if draft is not None and n == m:  # the draft never saw its own last proposal: put it in its cache
-            draft_step(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1], **sampling)
+            draft_step(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1],
+                       kv_bucket(pos + m + 1, draft.max_seq_length), **sampling)
         if rule is not None:  # under tensor parallelism every rank must draft alike: they share their timings
             times = [t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round]
             rule.update(m, n, *world_sum(times, device, mean=True))

@@ -82,7 +82,7 @@ def run_one(cfg: dict) -> dict:
     torch.manual_seed(0)
     model = load_model(cfg["checkpoint"], device, torch.bfloat16)
     if cfg["compiled"]:
-        gen.decode_one_token = torch.compile(gen.decode_one_token, mode="reduce-overhead", fullgraph=True)
+        gen.decode_one_token = gen.compile_step(gen.decode_one_token)
     prompt = min(cfg["prompt"], model.args.max_seq_len - cfg["new_tokens"])  # the built-in model stops at 1024
     prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], prompt)).tolist()
     model.setup_caches(cfg["batch"], prompt + cfg["new_tokens"])

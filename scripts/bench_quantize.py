@@ -56,7 +56,7 @@ def decode_speed(ckpt: Path, device, new_tokens: int, repeats: int, compile: boo
     model = load_model(ckpt, device, torch.bfloat16)
     decode_one_token = gen.decode_one_token
     if compile:
-        gen.decode_one_token = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+        gen.decode_one_token = gen.compile_step(decode_one_token)
     try:
         prompt = [Tokenizer(ckpt / "tokenizer.model").encode("def fibonacci(n):", bos=True)]
         generate(model, prompt, new_tokens, temperature=0)

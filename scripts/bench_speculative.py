@@ -18,6 +18,7 @@ import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from eval import read_texts, stdlib_files  # noqa: E402
 from generate import DEFAULT_CHECKPOINT, DTYPES, load_model, resolve_device  # noqa: E402
+from model import kv_bucket  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,12 +63,13 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs) -> tuple[floa
 def step_costs(model, draft, pos: int, k_max: int, device) -> dict:
     """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
     cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)
-    costs = {"target_step": seconds(lambda: gen.decode_one_token(model, cur, slot, None, temperature=0), 50, device),
-             "draft_step": seconds(lambda: speculative.draft_step(draft, cur, slot, temperature=0), 50, device)}
+    n = kv_bucket(pos + k_max + 1, model.max_seq_length)  # every pass reads the same cache length
+    costs = {"target_step": seconds(lambda: gen.decode_one_token(model, cur, slot, None, n, temperature=0), 50, device),
+             "draft_step": seconds(lambda: speculative.draft_step(draft, cur, slot, n, temperature=0), 50, device)}
     for s in range(2, max(k_max, *KS) + 2):
         tokens = torch.zeros(1, s, dtype=torch.long, device=device)
         slots = torch.arange(pos, pos + s, device=device)
-        costs[f"verify_{s}"] = seconds(lambda: speculative.verify(model, tokens, slots, temperature=0), 30, device)
+        costs[f"verify_{s}"] = seconds(lambda: speculative.verify(model, tokens, slots, n, temperature=0), 30, device)
     return costs
 
 
@@ -99,9 +101,9 @@ def main():
     sets = prompt_sets(Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model"), args.prompts, args.prompt_tokens)
     rows = configs(draft, args.k_max, args.ngram)
     if args.compile:
-        gen.decode_one_token = torch.compile(gen.decode_one_token, mode="reduce-overhead", fullgraph=True)
-        speculative.draft_step = torch.compile(speculative.draft_step, mode="reduce-overhead", fullgraph=True)
-        speculative.verify = torch.compile(speculative.verify, mode="reduce-overhead", fullgraph=True, dynamic=True)
+        gen.decode_one_token = gen.compile_step(gen.decode_one_token)
+        speculative.draft_step = gen.compile_step(speculative.draft_step)
+        speculative.verify = gen.compile_step(speculative.verify)
     length = args.prompt_tokens + args.new_tokens + args.k_max + 1
     for m in (model, draft):
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes

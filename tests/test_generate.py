@@ -2,7 +2,9 @@
 import pytest
 import torch
 
+import generate as gen
 from generate import generate, load_model, sample, weight_bytes
+from model import ModelArgs, Transformer
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +123,20 @@ def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoi
     # bf16 rounds to 3 significant digits and inductor fuses in a different order: compare relative to the whole
     assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+
+
+def test_compiled_decoding_compiles_once_across_cache_length_buckets(monkeypatch):
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=320, n_layer=2, n_head=4, n_kv_head=2, dim=64, max_seq_len=1024)).eval()
+    prompt = torch.randint(3, 320, (1, 250)).tolist()
+    model.setup_caches(1, 1024)
+    eager = generate(model, prompt, 300, temperature=0.0)[0]  # reads 256, then 512, then 1024 cache slots
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(gen, "decode_one_token", gen.compile_step(gen.decode_one_token))
+    assert generate(model, prompt, 300, temperature=0.0)[0] == eager
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_streamed_text_equals_the_final_text_even_for_multibyte_characters(sp_model_path, capsys):

@@ -6,7 +6,7 @@ import torch
 
 from conftest import convert, save_hf_llama
 from generate import generate, load_model
-from model import ModelArgs, Transformer, transformer_configs
+from model import ModelArgs, Transformer, kv_bucket, transformer_configs
 
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=32)
@@ -79,10 +79,29 @@ def test_setup_caches_again_with_new_sizes_reallocates(pair, tokens):
     ours.setup_caches(1, 16)
     ours.setup_caches(3, 64)
     cache = ours.layers[0].attention.kv_cache
-    assert cache.k_cache.shape == (3, ours.args.n_kv_head, 64, ours.args.head_dim)
+    assert cache.k_cache.shape == (3, ours.args.n_kv_head, 64 + 1, ours.args.head_dim)  # + the spare slot
     assert ours.freqs_cis.shape[0] == 64
     x = tokens[:, :40].repeat(2, 1)[:3]
     assert rel_err(ours(x, torch.arange(40)), ours(x)) < 1e-5
+
+
+@torch.no_grad()
+def test_reading_only_a_bucket_of_a_long_cache_gives_the_whole_cache_logits(pair, tokens):
+    _, ours = pair
+    ours.setup_caches(2, SEQ)
+    T, n = SEQ - 10, SEQ - 10 + 3  # a kv_len well short of the cache, and just enough for these positions
+    whole = [ours(tokens[:, :T], torch.arange(T))] + [ours(tokens[:, i : i + 1], torch.tensor([i])) for i in range(T, n)]
+    part = [ours(tokens[:, :T], torch.arange(T), None, n)]
+    part += [ours(tokens[:, i : i + 1], torch.tensor([i]), None, n) for i in range(T, n)]
+    assert rel_err(torch.cat(part, 1), torch.cat(whole, 1)) < 1e-6
+
+
+def test_kv_bucket_covers_every_position_with_few_lengths_and_stays_within_the_cache():
+    for cache in (100, 2048, 32768):
+        lengths = {kv_bucket(n, cache) for n in range(1, cache + 1)}
+        assert all(n <= kv_bucket(n, cache) <= cache for n in range(1, cache + 1))
+        assert len(lengths) <= max(1, (cache // 256).bit_length() + 1)
+    assert kv_bucket(100, 32768) == kv_bucket(100, 2048) == 256  # a short context reads as little from either
 
 
 def test_setup_caches_beyond_the_model_maximum_is_refused(pair):
