@@ -108,6 +108,9 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16,
     if quantization:
         from quantize import pack_for_kernels
         pack_for_kernels(model, dtype)
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        import cpu_gemv
+        cpu_gemv.install()  # faster bf16 and int8 decode products than torch's, where they can be built
     if shard:
         tp.all_reduce_outputs(model)
     return model.eval()

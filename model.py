@@ -166,11 +166,17 @@ class KVCache(nn.Module):
 class Linear(nn.Linear):
     """nn.Linear, except that on CPU 32 or more rows of bf16 (prefill) are multiplied in fp32: without bf16 matrix
     instructions torch's bf16 GEMM runs at about 1 GFLOP/s on the development machine against 100+ in fp32, so
-    converting the weight first is much cheaper. Fewer rows (decode) keep the bf16 GEMV, which reads half the bytes."""
+    converting the weight first is much cheaper. Fewer rows (decode) keep bf16, which reads half the bytes, through
+    `gemv` when one is installed (cpu_gemv.py: a faster kernel than torch's there; it returns None to decline)."""
+    gemv = None
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if x.device.type == "cpu" and self.weight.dtype == torch.bfloat16 and x.numel() >= 32 * x.size(-1):
-            return F.linear(x.float(), self.weight.float()).to(x.dtype)
+        if x.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
+            if x.numel() >= 32 * x.size(-1):
+                return F.linear(x.float(), self.weight.float()).to(x.dtype)
+            y = Linear.gemv(x, self.weight) if Linear.gemv is not None else None  # a plain function: not bound
+            if y is not None:
+                return y
         return F.linear(x, self.weight)
 
 

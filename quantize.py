@@ -80,6 +80,8 @@ def unpack_nibbles(p: Tensor) -> Tensor:  # [N, K'/2] uint8 -> [N, K'] uint8
 # ---- quantized layers ----------------------------------------------------------------------------------------------
 
 class Int8Linear(nn.Module):
+    gemv = None  # cpu_gemv.py's int8 kernel, when installed: faster than torch's for decode on AVX2
+
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -88,6 +90,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            y = Int8Linear.gemv(x, self.weight, self.scales) if Int8Linear.gemv is not None else None
+            if y is not None:  # None: the kernel declined these shapes
+                return y
             # torch's CPU kernel reads the int8 weight directly; dequantizing first would write a bf16 copy per call
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)

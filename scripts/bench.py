@@ -1,10 +1,12 @@
 """Decoding benchmark: how close each configuration comes to the machine's memory bandwidth.
 
 One command, one device, one run. It first measures the ceilings, memory copy bandwidth (bytes read plus bytes
-written by a large tensor copy) and bf16 matmul FLOP/s, then runs every configuration in a fresh process (so
-peak memory, compile time and dynamo state belong to that configuration alone): model shapes with random
-weights, bf16 / int8 / int4 weights, eager / compiled, batch 1 / 8, prompts of 16 / 1024 tokens. It prints a
-Markdown table, writes JSON, and saves a PNG plot when matplotlib is installed."""
+written by a large tensor copy) and matmul FLOP/s, then runs every configuration in a fresh process (so peak
+memory, compile time and dynamo state belong to that configuration alone): model shapes with random weights,
+bf16 / int8 / int4 weights, eager / compiled, batch 1 / 8, prompts of 16 / 1024 tokens; Hugging Face
+transformers on the same shapes beside them; and a short context in a 2k and a 32k cache. Each configuration
+measures the copy bandwidth again right after its runs, and its "% of copy" is against that. It prints Markdown
+tables, writes JSON, and saves a PNG plot when matplotlib is installed."""
 import argparse
 import itertools
 import json
@@ -22,10 +24,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import generate as gen  # noqa: E402
 from bench_quantize import cpu_name, random_checkpoint  # noqa: E402
 from model import transformer_configs  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, device_sync, load_model, peak_memory_gb, resolve_device, weight_bytes  # noqa: E402
+from generate import (DEFAULT_CHECKPOINT, device_sync, load_args, load_model, peak_memory_gb, resolve_device,  # noqa: E402
+                      weight_bytes)
 
 SHAPES = {"cpu": ["built-in", "TinyLlama-1.1B"], "cuda": ["built-in", "TinyLlama-1.1B", "Llama-2-7b"]}
 INT4_GROUPSIZE = 128
+COPY_GIB = {False: 1, True: 4}  # keyed by "on a GPU": well past the last-level cache either way
 
 
 def timed(f, repeats: int, device) -> float:  # median seconds of f()
@@ -77,27 +81,89 @@ def matmul_weights(a) -> int:  # weights one token multiplies; prefill does 2 FL
 
 
 def run_one(cfg: dict) -> dict:
-    """One configuration, in this process: greedy decoding of random prompts, median over `repeats` runs."""
+    """One configuration, in this process: greedy decoding of random prompts after a warm-up (and compile) run,
+    medians over `repeats` runs. The copy bandwidth is measured again after each run, and each run's bandwidth is
+    compared with its own: this VM's bandwidth drifts by a third within minutes."""
     device = resolve_device(cfg["device"])
     torch.manual_seed(0)
+    cfg["compiled"] = cfg["mode"] == "compiled"
+    weights, flops_per_token, run = (run_transformers if cfg["impl"] == "transformers" else run_ours)(cfg, device)
+    t0 = time.perf_counter()
+    run()
+    first_s = time.perf_counter() - t0
+    runs, copies = [], []
+    for i in range(cfg["repeats"]):
+        runs.append(run())  # {"ttft_s", "decode_tok_s" (steps per second), "total_s"}
+        if i == 0:  # every allocation has happened by now, and the copy's buffers would count
+            peak = peak_memory_gb(device)
+        copies.append(copy_bandwidth(device, COPY_GIB[device.type == "cuda"]))
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    return {"prompt": cfg["prompt"], "ttft_ms": 1e3 * med("ttft_s"), "prefill_tok_s": cfg["batch"] * cfg["prompt"] /
+            med("ttft_s"), "decode_tok_s": cfg["batch"] * med("decode_tok_s"),
+            "bandwidth_gb_s": weights * med("decode_tok_s") / 1e9, "weight_gb": weights / 1e9,
+            "copy_gb_s": statistics.median(copies) / 1e9,
+            "pct_copy": 100 * statistics.median(weights * r["decode_tok_s"] / c for r, c in zip(runs, copies)),
+            "peak_memory_gb": peak, "prefill_flops_per_token": flops_per_token,
+            "compile_s": max(first_s - med("total_s"), 0.0) if cfg["compiled"] else 0.0}
+
+
+def run_ours(cfg: dict, device):
+    """(weight bytes, prefill FLOPs per token, one timed greedy generation) for this project's model."""
     model = load_model(cfg["checkpoint"], device, torch.bfloat16)
     if cfg["compiled"]:
         gen.decode_one_token = gen.compile_step(gen.decode_one_token)
-    prompt = min(cfg["prompt"], model.args.max_seq_len - cfg["new_tokens"])  # the built-in model stops at 1024
-    prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], prompt)).tolist()
-    model.setup_caches(cfg["batch"], prompt + cfg["new_tokens"])
-    t0 = time.perf_counter()
-    gen.generate(model, prompts, cfg["new_tokens"], temperature=0)  # warm-up; compiles when compiled
-    first_s = time.perf_counter() - t0
-    runs = [gen.generate(model, prompts, cfg["new_tokens"], temperature=0)[1] for _ in range(cfg["repeats"])]
-    decode = statistics.median(r["decode_steps"] / r["decode_s"] for r in runs)  # steps per second
-    prefill_s = statistics.median(r["prefill_s"] for r in runs)
-    run_s = statistics.median(r["prefill_s"] + r["decode_s"] for r in runs)
-    return {"prompt": prompt, "ttft_ms": 1e3 * prefill_s, "prefill_tok_s": cfg["batch"] * prompt / prefill_s,
-            "decode_tok_s": cfg["batch"] * decode, "bandwidth_gb_s": weight_bytes(model) * decode / 1e9,
-            "weight_gb": weight_bytes(model) / 1e9, "peak_memory_gb": peak_memory_gb(device),
-            "prefill_flops_per_token": 2 * matmul_weights(model.args),
-            "compile_s": max(first_s - run_s, 0.0) if cfg["compiled"] else 0.0}
+    cfg["prompt"] = min(cfg["prompt"], model.args.max_seq_len - cfg["new_tokens"])  # the built-in model stops at 1024
+    prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], cfg["prompt"])).tolist()
+    cache = cfg.get("cache") or cfg["prompt"] + cfg["new_tokens"]
+    model.args.max_seq_len = max(model.args.max_seq_len, cache)  # random or speed-only weights: any length will do
+    model.setup_caches(cfg["batch"], cache)
+
+    def run():
+        r = gen.generate(model, prompts, cfg["new_tokens"], temperature=0)[1]
+        return {"ttft_s": r["prefill_s"], "decode_tok_s": r["decode_steps"] / r["decode_s"],
+                "total_s": r["prefill_s"] + r["decode_s"]}
+    return weight_bytes(model), 2 * matmul_weights(model.args), run
+
+
+def run_transformers(cfg: dict, device):
+    """The same for the shape in Hugging Face transformers' LlamaForCausalLM (random bf16 weights), through its
+    own generate(): eager with its default dynamic cache, or compiled as its documentation recommends, with a
+    static cache and forward compiled with mode="reduce-overhead". A streamer timestamps each token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    a = load_args(Path(cfg["checkpoint"]))
+    config = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.intermediate_size,
+                         num_hidden_layers=a.n_layer, num_attention_heads=a.n_head, num_key_value_heads=a.n_kv_head,
+                         head_dim=a.head_dim, max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps,
+                         tie_word_embeddings=a.tie_embeddings)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    if cfg["compiled"]:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(3, a.vocab_size, (cfg["batch"], cfg["prompt"]), device=device)
+    n = cfg["new_tokens"]
+
+    class Stamps:  # generate() calls put() with the prompt, then once per new token
+        def __init__(self):
+            self.times = []
+
+        def put(self, _):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def run():
+        stamps, t0 = Stamps(), time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0, streamer=stamps)  # a streamer takes batch 1 only
+        device_sync(device)
+        t1, first = time.perf_counter(), stamps.times[1]
+        return {"ttft_s": first - t0, "decode_tok_s": (n - 1) / (t1 - first), "total_s": t1 - t0}
+    embedding = 0 if a.tie_embeddings else a.vocab_size * a.dim
+    return 2 * (sum(p.numel() for p in model.parameters()) - embedding), 2 * matmul_weights(a), run
 
 
 def main():
@@ -113,7 +179,11 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the median is reported")
     p.add_argument("--work_dir", type=Path, default=Path("/tmp/fast-decode-bench"), help="random checkpoints")
     p.add_argument("--quick", action="store_true", help="shapes larger than the built-in one at batch 1 with the "
-                   "shortest prompt only (on a CPU, their long prefills take many minutes)")
+                   "shortest prompt only, plus one long prefill in bf16 compiled (on a CPU, long prefills take minutes)")
+    p.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                   help="run Hugging Face transformers beside ours (bf16, batch 1, the short prompt)")
+    p.add_argument("--long_cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode a 100-token context in a 2k and a 32k cache (bf16, compiled, batch 1)")
     p.add_argument("--json", type=Path, default=Path("bench.json"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration given as JSON
     args = p.parse_args()
@@ -121,7 +191,7 @@ def main():
     if args.one:
         cfg = json.loads(args.one)
         if cfg == "ceilings":
-            cfg = {"copy": copy_bandwidth(device, 4 if device.type == "cuda" else 1),
+            cfg = {"copy": copy_bandwidth(device, COPY_GIB[device.type == "cuda"]),
                    "matmul": matmul_flops(device, 8192 if device.type == "cuda" else 1024)}
         else:
             cfg = run_one(cfg)
@@ -134,23 +204,45 @@ def main():
     print(f"{machine}: copy bandwidth {copy_bw / 1e9:.1f} GB/s; matmul " +
           ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in matmul.items()))
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for shape, weights, mode, batch, prompt in itertools.product(args.shapes or SHAPES.get(device.type, SHAPES["cpu"]),
-                                                                 args.weights, args.modes, args.batches, args.prompts):
-        if args.quick and shape != "built-in" and (batch > min(args.batches) or prompt > min(args.prompts)):
-            continue
-        cfg = dict(device=str(device), checkpoint=str(checkpoint(shape, weights, args.work_dir)), batch=batch,
-                   prompt=prompt, compiled=mode == "compiled", new_tokens=args.new_tokens, repeats=args.repeats)
-        row = dict(shape=shape, weights=weights, mode=mode, batch=batch, **one_process(device, cfg))
-        row["pct_copy"] = 100 * row["bandwidth_gb_s"] * 1e9 / copy_bw
+    rows, long_rows = [], []
+    for cfg in configs(args, device):
+        row = dict(cfg, **one_process(device, dict(cfg, device=str(device),
+                                                   checkpoint=str(checkpoint(cfg["shape"], cfg["weights"], args.work_dir)))))
+        row["pct_run_copy"] = 100 * row["bandwidth_gb_s"] * 1e9 / copy_bw
         row["pct_flops"] = 100 * row["prefill_tok_s"] * row["prefill_flops_per_token"] / flops
-        rows.append(row)
-        print_row(row, header=len(rows) == 1)
+        if "cache" in cfg:
+            long_rows.append(row)
+        else:
+            rows.append(row)
+            print_row(row, header=len(rows) == 1)
+    print_long_cache(long_rows)
     results = {"machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "copy_bandwidth_gb_s": copy_bw / 1e9, "matmul_tflops": {k: v / 1e12 for k, v in matmul.items()},
-               "rows": rows}
+               "rows": rows, "long_cache_rows": long_rows}
     args.json.write_text(json.dumps(results, indent=2))
     plot(results, args.json.with_suffix(".png"))
+
+
+def configs(args, device) -> list[dict]:
+    """Every configuration of the run: ours over the whole grid, transformers beside it (bf16, batch 1, the short
+    prompt), and the long-cache pair (a 100-token context in a 2k and a 32k cache)."""
+    shapes = args.shapes or SHAPES.get(device.type, SHAPES["cpu"])
+    common = dict(new_tokens=args.new_tokens, repeats=args.repeats)
+    out = []
+    for shape, weights, mode, batch, prompt in itertools.product(shapes, args.weights, args.modes, args.batches,
+                                                                 args.prompts):
+        small = shape == "built-in" or batch == min(args.batches) and prompt == min(args.prompts)
+        prefill_row = weights == "bf16" and mode == "compiled" and batch == min(args.batches)  # prefill's FLOP/s
+        if args.quick and not (small or prefill_row):
+            continue
+        out.append(dict(impl="ours", shape=shape, weights=weights, mode=mode, batch=batch, prompt=prompt, **common))
+    if args.transformers:
+        out += [dict(impl="transformers", shape=shape, weights="bf16", mode=mode, batch=1, prompt=min(args.prompts),
+                     **common) for shape in shapes for mode in args.modes]
+    if args.long_cache:
+        out += [dict(impl="ours", shape=shape, weights="bf16", mode="compiled", batch=1, prompt=100, cache=cache,
+                     **common) for shape in shapes for cache in (2048, 32768)]
+    return out
 
 
 def one_process(device, cfg) -> dict:
@@ -164,12 +256,24 @@ def one_process(device, cfg) -> dict:
 
 def print_row(r: dict, header: bool):
     if header:
-        print("\n| shape | weights | mode | batch | prompt | TTFT ms | prefill tok/s | % of matmul | decode tok/s "
-              "| GB/s | % of copy | peak GB | compile s |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {r['shape']} | {r['weights']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['ttft_ms']:.1f} | "
-          f"{r['prefill_tok_s']:.0f} | {r['pct_flops']:.0f}% | {r['decode_tok_s']:.1f} | {r['bandwidth_gb_s']:.1f} | {r['pct_copy']:.0f}% | "
-          f"{r['peak_memory_gb']:.2f} | {r['compile_s']:.0f} |", flush=True)
+        print("\n| shape | impl | weights | mode | batch | prompt | TTFT ms | prefill tok/s | % of matmul | decode tok/s "
+              "| GB/s | copy GB/s | % of copy | peak GB | compile s |")
+        print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {r['shape']} | {r['impl']} | {r['weights']} | {r['mode']} | {r['batch']} | {r['prompt']} | "
+          f"{r['ttft_ms']:.1f} | {r['prefill_tok_s']:.0f} | {r['pct_flops']:.0f}% | {r['decode_tok_s']:.1f} | "
+          f"{r['bandwidth_gb_s']:.1f} | {r['copy_gb_s']:.1f} | {r['pct_copy']:.0f}% | {r['peak_memory_gb']:.2f} | "
+          f"{r['compile_s']:.0f} |", flush=True)
+
+
+def print_long_cache(rows: list[dict]):
+    """Decode speed with a short context in a long cache, against the same context in a 2k cache."""
+    if not rows:
+        return
+    print("\n| shape | cache | context | decode tok/s | vs 2k cache | peak GB |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    base = {r["shape"]: r["decode_tok_s"] for r in rows if r["cache"] == 2048}
+    for r in rows:
+        print(f"| {r['shape']} | {r['cache']} | {r['prompt']} | {r['decode_tok_s']:.1f} | "
+              f"{100 * r['decode_tok_s'] / base[r['shape']]:.0f}% | {r['peak_memory_gb']:.2f} |", flush=True)
 
 
 def plot(results: dict, path: Path):
@@ -180,7 +284,7 @@ def plot(results: dict, path: Path):
     except ImportError:
         return
     rows = [r for r in results["rows"] if r["batch"] == 1 and r["prompt"] == min(x["prompt"] for x in results["rows"])]
-    labels = [f"{r['shape']}\n{r['weights']} {r['mode']}" for r in rows]
+    labels = [f"{r['shape']} {r['impl']}\n{r['weights']} {r['mode']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.8), 4))
     ax.bar(range(len(rows)), [r["pct_copy"] for r in rows])
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)

@@ -117,7 +117,7 @@ def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoi
     model = load_model(checkpoint, "cpu", torch.bfloat16)
     prompt = torch.tensor([PROMPTS[1]])
     tokens = generate(model, prompt.tolist(), 12, temperature=0.0)[0][0]
-    step = lambda m, cur, pos: m(cur, pos)[:, -1]  # noqa: E731 - the model part of decode_one_token
+    step = torch.no_grad()(lambda m, cur, pos: m(cur, pos)[:, -1])  # the model part of decode_one_token
     eager = decode_logits(step, model, prompt, tokens)
     compiled = decode_logits(torch.compile(step, mode="reduce-overhead", fullgraph=True), model, prompt, tokens)
     # bf16 rounds to 3 significant digits and inductor fuses in a different order: compare relative to the whole
