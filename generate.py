@@ -105,12 +105,12 @@ def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16,
     model.load_state_dict(state, assign=True, strict=False)
     if tied:  # assign replaced the shared Parameter, so tie it again
         model.output.weight = model.tok_embeddings.weight
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        import cpu_gemv
+        cpu_gemv.install()  # faster bf16, int8 and int4 decode products than torch's, where they can be built
     if quantization:
         from quantize import pack_for_kernels
         pack_for_kernels(model, dtype)
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        import cpu_gemv
-        cpu_gemv.install()  # faster bf16 and int8 decode products than torch's, where they can be built
     if shard:
         tp.all_reduce_outputs(model)
     return model.eval()

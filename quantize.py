@@ -103,7 +103,9 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Holds the checkpoint's plain layout until pack() rewrites it for the device's bf16 int4 kernel; unpacked, it
-    dequantizes per call (float32 or float16 activations, where the kernels do not apply)."""
+    dequantizes per call (float32 or float16 activations, where the kernels do not apply). On CPU with
+    cpu_gemv.py's int4 kernel installed (`gemv`) the plain layout stays: that kernel reads it directly."""
+    gemv = None
 
     def __init__(self, in_features: int, out_features: int, groupsize: int):
         super().__init__()
@@ -137,8 +139,11 @@ class Int4Linear(nn.Module):
         if self.k_padded != self.in_features:
             x2 = F.pad(x2, (0, self.k_padded - self.in_features))  # the weight's zero columns meet zero inputs
         if self.scales_and_zeros is None:
-            w = dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)
-            y = F.linear(x2, w.to(x.dtype))
+            y = Int4Linear.gemv(x2, self.weight, self.scales, self.zeros) if Int4Linear.gemv is not None and \
+                x.device.type == "cpu" else None
+            if y is None:  # on CPU in fp32: torch's bf16 GEMM is slow there
+                w = dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)
+                y = F.linear(x2.float(), w).to(x.dtype) if x.device.type == "cpu" else F.linear(x2, w.to(x.dtype))
         else:
             mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
             y = mm(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, : self.out_features]
@@ -160,7 +165,9 @@ def pack_for_kernels(model: nn.Module, dtype: torch.dtype):
     """After loading: the int4 kernels take bf16 activations; other dtypes keep the dequantizing path."""
     if dtype == torch.bfloat16:
         for m in model.modules():
-            if isinstance(m, Int4Linear):
+            # cpu_gemv's kernel, when installed, reads the plain layout: groups of 64 or more, on CPU
+            if isinstance(m, Int4Linear) and not (Int4Linear.gemv is not None and m.weight.device.type == "cpu"
+                                                  and m.groupsize % 64 == 0):
                 m.pack()
 
 
