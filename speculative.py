@@ -4,8 +4,9 @@ distribution (Leviathan et al. 2023; Chen et al. 2023). Proposers: a small draft
 copies what followed the most recent earlier occurrence of the context's last n-gram.
 
 One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
-reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU without bf16 matrix units the verify
-pass costs nearly one step per position, which is why the adaptive rule below measures costs instead of assuming."""
+reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU each extra position costs real
+arithmetic (a quarter of a step or more here), which is why the adaptive rule below measures costs instead of
+assuming them."""
 import math
 import time
 from dataclasses import dataclass, field
