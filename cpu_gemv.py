@@ -268,14 +268,16 @@ def linear(x: Tensor, w: Tensor) -> Optional[Tensor]:  # x [..., K], w [N, K] ->
 
 
 def linear_int8(x: Tensor, w: Tensor, scales: Tensor) -> Optional[Tensor]:  # the same for quantize.Int8Linear
-    if x.dtype != torch.bfloat16 or scales.dtype != torch.bfloat16 or w.size(1) % 8 or x.numel() >= MAX_ROWS * x.size(-1):
+    if x.dtype != torch.bfloat16 or scales.dtype != torch.bfloat16 or w.size(1) % 8 or \
+            not (w.is_contiguous() and scales.is_contiguous()) or x.numel() >= MAX_ROWS * x.size(-1):
         return None
     return torch.ops.fast_decode.gemv_int8(x, w, scales)
 
 
 def linear_int4(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor) -> Optional[Tensor]:  # for quantize.Int4Linear
     groupsize = 2 * w.size(1) // scales.size(1)  # 16-bit sums hold a group of at most 256
-    if x.dtype != torch.bfloat16 or groupsize % 64 or groupsize > 256 or x.numel() >= MAX_ROWS * x.size(-1):
+    if x.dtype != torch.bfloat16 or groupsize % 64 or groupsize > 256 or x.numel() >= MAX_ROWS * x.size(-1) or \
+            not (w.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         return None
     return torch.ops.fast_decode.gemv_int4(x, w, scales, zeros)
 

@@ -59,6 +59,8 @@ def test_what_the_kernel_cannot_do_is_declined():
     assert cpu_gemv.linear(torch.randn(1, 64).bfloat16(), w.requires_grad_()) is None  # no backward
     q, scales = torch.ones(48, 36, dtype=torch.int8), torch.ones(48).bfloat16()
     assert cpu_gemv.linear_int8(torch.randn(1, 36).bfloat16(), q, scales) is None  # K % 8
+    q8 = torch.ones(96, 64, dtype=torch.int8)[::2]
+    assert cpu_gemv.linear_int8(torch.randn(1, 64).bfloat16(), q8, scales) is None  # a strided view
     q, scales, zeros = quantize.quantize_int4(torch.randn(48, 64), 32)
     assert cpu_gemv.linear_int4(torch.randn(1, 64).bfloat16(), quantize.pack_nibbles(q), scales, zeros) is None  # G 32
 
