@@ -1,42 +1,42 @@
-"""Matrix-vector products for decoding on x86 CPUs with AVX2: y = x @ w.T for x [M, K] of a few rows, with w in
-bf16, int8 (a scale per row) or int4 (a scale and zero per group), all as this project stores them.
+"""Matrix-vector products for decoding on CPUs: y = x @ w.T for x [M, K] of a few rows, with w in bf16, int8 (a
+scale per row) or int4 (a scale and zero per group), all as this project stores them, for the instruction set the
+CPU has: AVX2+FMA, AVX-512 (with the BF16 dot product and VNNI where present), or AArch64 NEON (with dotprod).
 
 Batch-1 decode is one pass over every weight, so it runs at memory speed only if the multiply keeps up with memory.
 torch's CPU kernels do not on AVX2 (no bf16 or int8 dot-product instructions): its bf16 GEMV does about 5 G
 weights/s per core even from cache, so two cores read about 19 GB/s where the memory gives ~30. Here: bf16 is
-widened to fp32 with one integer unpack (bf16 is the top half of an fp32) and eight FMA chains stay in flight;
-int8 is sign-extended and converted; int4 is never widened: x is rounded to int8 per group and maddubs multiplies
-32 pairs per instruction. Rows are read front to back, which the hardware prefetcher follows.
+widened to fp32 with one integer unpack (bf16 is the top half of an fp32), or multiplied in pairs by
+_mm512_dpbf16_ps; int8 is sign-extended and converted; int4 is never widened: x is rounded to int8 per group and
+maddubs / dpbusd / sdot multiply 4-bit weights by 8-bit activations. Rows are read front to back, which the
+hardware prefetcher follows.
 
-The C++ below is compiled once with g++ into ~/.cache/fast-decode and called through ctypes, wrapped as torch ops
-so that torch.compile keeps them in the graph. install() plugs them into model.Linear and quantize's layers;
-without g++ or AVX2 it returns False and torch's kernels stay."""
+The C++ below is compiled once with g++ for the CPU's instruction set into ~/.cache/fast-decode and called through
+ctypes, wrapped as torch ops so that torch.compile keeps them in the graph. install(model) replaces a bf16 model's
+linear layers (and quantize.py's int8 and int4 layers, recognised by their tensors) with layers that send products
+of few rows here. Products of many rows (prefill) go to torch's GEMM, in bf16 or in fp32, whichever a measurement
+on this machine found faster. Without a compiler or a known instruction set, one line on stderr says so and torch's
+kernels stay."""
 import ctypes
 import hashlib
+import json
 import os
+import platform
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
-SOURCE = r"""
-#include <immintrin.h>
+PRELUDE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <vector>
-
-// unpacklo/hi with zeros put each bf16 in the top half of an fp32: elements 0-3, 8-11 and 4-7, 12-15 of 16
-static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
-static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 static inline float from_bf16(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -50,6 +50,46 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch do
     __builtin_memcpy(&u, &f, 4);
     if ((u & 0x7fffffff) > 0x7f800000) return 0x7fc0;
     return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+}
+
+struct XQ {  // one row of x, prepared for the int4 product
+    std::vector<int8_t> even, odd;  // xq at the positions of the low and high nibbles: [K / 2] each
+    std::vector<float> d, c, sum;   // per group: the scale d, d * sum xq, and sum x
+};
+
+static void prepare(const uint16_t* x, int64_t K, int64_t G, XQ& p) {
+    p.even.resize(K / 2); p.odd.resize(K / 2); p.d.resize(K / G); p.c.resize(K / G); p.sum.resize(K / G);
+    std::vector<float> v(G);
+    for (int64_t g = 0; g < K / G; g++) {
+        float amax = 0.f, sum = 0.f;
+        for (int64_t j = 0; j < G; j++) {
+            v[j] = from_bf16(x[g * G + j]);
+            amax = fmaxf(amax, fabsf(v[j]));
+            sum += v[j];
+        }
+        float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int xs = 0;
+        for (int64_t j = 0; j < G; j++) {  // element k is in byte k / 2 of the row, low nibble if k is even
+            int q = (int)lrintf(v[j] * inv);
+            xs += q;
+            ((g * G + j) % 2 ? p.odd : p.even)[(g * G + j) / 2] = (int8_t)q;
+        }
+        p.d[g] = d; p.c[g] = d * xs; p.sum[g] = sum;
+    }
+}
+"""
+
+AVX2 = r"""
+#include <immintrin.h>
+
+// unpacklo/hi with zeros put each bf16 in the top half of an fp32: elements 0-3, 8-11 and 4-7, 12-15 of 16
+static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
+static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // one row of w against one row of x (already fp32, in lo/hi order): 8 independent FMA chains, and the row is
@@ -106,32 +146,6 @@ extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* sc
 // adds pairs in one instruction, and a group's products add up in 16-bit lanes (at most 4 x 2 x 2 x 15 x 127 <
 // 2^15): the weights are never widened to fp32, which is what lets int4 keep up with memory.
 // Per group: sum (q - 8) x ~ d * (sum q xq - 8 sum xq).
-struct XQ {  // one row of x, prepared for the int4 product
-    std::vector<int8_t> even, odd;  // xq at the positions of the low and high nibbles: [K / 2] each
-    std::vector<float> d, c, sum;   // per group: the scale d, d * sum xq, and sum x
-};
-
-static void prepare(const uint16_t* x, int64_t K, int64_t G, XQ& p) {
-    p.even.resize(K / 2); p.odd.resize(K / 2); p.d.resize(K / G); p.c.resize(K / G); p.sum.resize(K / G);
-    std::vector<float> v(G);
-    for (int64_t g = 0; g < K / G; g++) {
-        float amax = 0.f, sum = 0.f;
-        for (int64_t j = 0; j < G; j++) {
-            v[j] = from_bf16(x[g * G + j]);
-            amax = fmaxf(amax, fabsf(v[j]));
-            sum += v[j];
-        }
-        float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        int xs = 0;
-        for (int64_t j = 0; j < G; j++) {  // element k is in byte k / 2 of the row, low nibble if k is even
-            int q = (int)lrintf(v[j] * inv);
-            xs += q;
-            ((g * G + j) % 2 ? p.odd : p.even)[(g * G + j) / 2] = (int8_t)q;
-        }
-        p.d[g] = d; p.c[g] = d * xs; p.sum[g] = sum;
-    }
-}
-
 static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                            int64_t K, int64_t G) {
     const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -179,27 +193,55 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int
         for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(&xs[m * K], w + n * K, K);
 }
 """
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-MAX_ROWS = 32  # model.Linear multiplies 32 or more rows in fp32 with torch's GEMM instead
+
+AVX512 = None  # filled in below once written
+NEON = None
+MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
 
 
-def build() -> Optional[ctypes.CDLL]:
-    """The compiled kernel, from the cache when this source was built before; None without AVX2 or g++."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return None
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
-    lib = cache / f"gemv_bf16-{hashlib.sha256((SOURCE + ' '.join(FLAGS)).encode()).hexdigest()[:16]}.so"
+# ---- which kernels this CPU can run ------------------------------------------------------------------------------
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux names them (x86 'flags', Arm 'Features'); Apple's Arm chips all have
+    NEON and dotprod."""
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return {"asimd", "asimddp"}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(l.split(":", 1)[1].split()) for l in lines if l.split(":")[0].strip() in ("flags", "Features")),
+                set())
+
+
+def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
+    """(name, source, compiler flags) of every kernel set this CPU runs, the fastest first."""
+    out = []
+    if AVX512 and {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
+        extra = [(f, "-m" + f.replace("_", "")) for f in ("avx512_bf16", "avx512_vnni") if f in flags]
+        out.append(("avx512" + "".join("+" + f[7:] for f, _ in extra), AVX512,
+                    ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", *(o for _, o in extra)]))
+    if {"avx2", "fma"} <= flags:
+        out.append(("avx2", AVX2, ["-mavx2", "-mfma"]))
+    if NEON and "asimd" in flags and platform.machine() in ("aarch64", "arm64"):
+        dot = "asimddp" in flags
+        out.append(("neon+dotprod" if dot else "neon", NEON, ["-march=armv8.2-a+dotprod" if dot else "-march=armv8-a"]))
+    return out
+
+
+def build(source: str, flags: list[str]) -> ctypes.CDLL:
+    """The compiled kernels, from the cache when this source was built with these flags before."""
+    flags = ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"]
+    lib = CACHE / f"gemv-{hashlib.sha256((PRELUDE + source + ' '.join(flags)).encode()).hexdigest()[:16]}.so"
     if not lib.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: readers never see half a file
-                src = Path(tmp) / "gemv_bf16.cpp"
-                src.write_text(SOURCE)
-                subprocess.run([os.environ.get("CXX", "g++"), *FLAGS, str(src), "-o", str(Path(tmp) / "lib.so")],
-                               check=True, capture_output=True)
-                os.replace(Path(tmp) / "lib.so", lib)
-        except (OSError, subprocess.CalledProcessError):
-            return None
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # build aside, then rename: readers never see half a file
+            src = Path(tmp) / "gemv.cpp"
+            src.write_text(PRELUDE + source)
+            subprocess.run([os.environ.get("CXX", "g++"), *flags, str(src), "-o", str(Path(tmp) / "lib.so")],
+                           check=True, capture_output=True, text=True)
+            os.replace(Path(tmp) / "lib.so", lib)
     dll = ctypes.CDLL(str(lib))
     dll.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     dll.gemv_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
@@ -208,6 +250,36 @@ def build() -> Optional[ctypes.CDLL]:
 
 
 _lib: Optional[ctypes.CDLL] = None
+kernels = "torch"  # what products of few rows run on: a kernel set's name, or torch's own
+_why_not = None
+
+
+def load(name: Optional[str] = None) -> Optional[str]:
+    """Build and switch to the CPU's best kernel set (or the one named); its name, or None with one line on stderr
+    saying why torch's kernels stay."""
+    global _lib, kernels, _why_not
+    available = targets(cpu_flags())
+    chosen = [t for t in available if name is None or t[0].split("+")[0] == name.split("+")[0]][:1]
+    try:
+        if not chosen:
+            raise RuntimeError(f"no kernels for this CPU ({platform.machine()}: "
+                               f"{'no ' + name if name else 'neither AVX2+FMA, AVX-512 nor NEON'})")
+        _lib, kernels = build(*chosen[0][1:]), chosen[0][0]
+        return kernels
+    except FileNotFoundError:
+        why = f"no C++ compiler ({os.environ.get('CXX', 'g++')} not found)"
+    except subprocess.CalledProcessError as e:
+        why = f"the kernels did not build: {(e.stderr or '').strip().splitlines()[-1:] or e.returncode}"
+    except (RuntimeError, OSError) as e:
+        why = str(e)
+    if why != _why_not:  # once per reason, not once per model
+        print(f"cpu_gemv: using torch's CPU kernels: {why}", file=sys.stderr)
+    _lib, kernels, _why_not = None, "torch", why
+    return None
+
+
+# ---- the kernels as torch ops --------------------------------------------------------------------------------------
+
 # a torch op, so that torch.compile keeps it in the graph; defined with torch.library.Library rather than the
 # @custom_op decorator, whose Python wrapper costs about 25 us a call, as much as a small layer's whole product
 _ops = torch.library.Library("fast_decode", "DEF")
@@ -260,35 +332,143 @@ def _(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], w.size(0))
 
 
-def linear(x: Tensor, w: Tensor) -> Optional[Tensor]:  # x [..., K], w [N, K] -> [..., N], or None: not ours
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.size(1) % 16 or not w.is_contiguous() or \
-            x.numel() >= MAX_ROWS * x.size(-1) or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return None  # inference only: the op has no backward
-    return torch.ops.fast_decode.gemv_bf16(x, w)
+def few_rows(x: Tensor) -> bool:  # decode, verification, short prompts; inference only: the ops have no backward
+    return x.numel() < MAX_ROWS * x.size(-1) and not (torch.is_grad_enabled() and x.requires_grad)
 
 
-def linear_int8(x: Tensor, w: Tensor, scales: Tensor) -> Optional[Tensor]:  # the same for quantize.Int8Linear
-    if x.dtype != torch.bfloat16 or scales.dtype != torch.bfloat16 or w.size(1) % 8 or \
-            not (w.is_contiguous() and scales.is_contiguous()) or x.numel() >= MAX_ROWS * x.size(-1):
+# ---- prefill: bf16 or fp32, measured -------------------------------------------------------------------------------
+
+def prefill_dtype(n: int, k: int) -> torch.dtype:
+    """The faster dtype here for a product of MAX_ROWS rows with a bf16 [n, k] weight: bf16, or fp32 with the
+    weight converted on the fly. CPUs without bf16 matrix instructions run torch's bf16 GEMM at about 1 GFLOP/s
+    against 100+ in fp32; with them bf16 wins. Timed once per machine, torch and shape, cached beside the kernels."""
+    key = f"{cpu_name()}, torch {torch.__version__}, " \
+          f"{torch.get_num_threads()} threads, {n}x{k}"
+    path = CACHE / "prefill_dtype.json"
+    try:
+        verdicts = json.loads(path.read_text())
+    except (OSError, ValueError):
+        verdicts = {}
+    if key not in verdicts:
+        x, w = torch.randn(MAX_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
+        seconds = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            times = []
+            for _ in range(3):  # the first run warms up; a slow bf16 GEMM takes about a second at most
+                t0 = time.perf_counter()
+                F.linear(x.to(dtype), w.to(dtype))
+                times.append(time.perf_counter() - t0)
+            seconds[str(dtype)[6:]] = min(times[1:])
+        verdicts[key] = min(seconds, key=seconds.get)
+        try:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(verdicts, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only cache only costs the measurement next time
+    return getattr(torch, verdicts[key])
+
+
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), platform.machine())
+
+
+# ---- layers --------------------------------------------------------------------------------------------------------
+
+class GemvBf16(nn.Module):
+    """A bf16 nn.Linear without bias: few rows through the kernel (when built), more in the measured dtype."""
+    def __init__(self, weight: nn.Parameter, dtype: torch.dtype, gemv: bool):
+        super().__init__()
+        self.weight, self.dtype, self.gemv = weight, dtype, gemv
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        if self.gemv and few_rows(x):
+            return torch.ops.fast_decode.gemv_bf16(x, self.weight)
+        return F.linear(x.to(self.dtype), self.weight.to(self.dtype)).to(x.dtype)
+
+
+class GemvInt8(nn.Module):
+    """quantize.py's int8 layer (weight int8 [N, K], scales bf16 [N]): few rows through the kernel, more through
+    torch's int8 matmul, which reads the int8 weight directly."""
+    def __init__(self, weight: Tensor, scales: Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if few_rows(x):
+            return torch.ops.fast_decode.gemv_int8(x, self.weight, self.scales)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scales)
+        return y.view(*x.shape[:-1], self.weight.size(0))
+
+
+class GemvInt4(nn.Module):
+    """quantize.py's int4 layer in its stored layout (weight uint8 [N, K'/2], scales and zeros bf16 [N, K'/G]):
+    few rows through the kernel, more by dequantizing to the measured dtype, w = (q - 8) * scale + zero."""
+    def __init__(self, m: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = m.in_features, m.out_features, dtype
+        self.register_buffer("weight", m.weight)
+        self.register_buffer("scales", m.scales)
+        self.register_buffer("zeros", m.zeros)
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = 2 * self.weight.size(1)
+        x2 = F.pad(x.reshape(-1, x.size(-1)), (0, k - x.size(-1)))  # the weight's zero columns meet zero inputs
+        if few_rows(x):
+            y = torch.ops.fast_decode.gemv_int4(x2, self.weight, self.scales, self.zeros)
+        else:
+            q = torch.stack([self.weight & 15, self.weight >> 4], -1).view(self.out_features, -1, k // self.scales.size(1))
+            w = ((q.to(self.dtype) - 8) * self.scales[..., None].to(self.dtype) + self.zeros[..., None].to(self.dtype))
+            y = F.linear(x2.to(self.dtype), w.flatten(1)).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def replacement(m: nn.Module, dtype: torch.dtype) -> Optional[nn.Module]:
+    """The layer that takes m's place, or None to leave m. Layers are told apart by their tensors: nn.Linear's
+    weight, quantize.py's int8 weight and scales, or its int4 weight, scales and zeros in the stored layout."""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, Tensor) or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous():
         return None
-    return torch.ops.fast_decode.gemv_int8(x, w, scales)
+    if isinstance(m, nn.Linear) and m.bias is None and w.dtype == torch.bfloat16:
+        return GemvBf16(w, dtype, _lib is not None and w.size(1) % 16 == 0)
+    if _lib is None:
+        return None  # the quantized layers' own paths are torch's kernels already
+    scales, zeros = getattr(m, "scales", None), getattr(m, "zeros", None)
+    if w.dtype == torch.int8 and isinstance(scales, Tensor) and w.size(1) % 8 == 0 and zeros is None:
+        return GemvInt8(w, scales)
+    if w.dtype == torch.uint8 and isinstance(scales, Tensor) and isinstance(zeros, Tensor) and \
+            getattr(m, "scales_and_zeros", None) is None:
+        groupsize = 2 * w.size(1) // scales.size(1)  # the kernel's 16-bit sums hold a group of at most 256
+        if groupsize % 64 == 0 and groupsize <= 256:
+            return GemvInt4(m, dtype)
+    return None
 
 
-def linear_int4(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor) -> Optional[Tensor]:  # for quantize.Int4Linear
-    groupsize = 2 * w.size(1) // scales.size(1)  # 16-bit sums hold a group of at most 256
-    if x.dtype != torch.bfloat16 or groupsize % 64 or groupsize > 256 or x.numel() >= MAX_ROWS * x.size(-1) or \
-            not (w.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        return None
-    return torch.ops.fast_decode.gemv_int4(x, w, scales, zeros)
+def install(model: nn.Module, name: Optional[str] = None) -> str:
+    """Replace the model's CPU linear layers, in place, by ones that run few-row products on this CPU's kernels
+    (or the named set) and prefill in the dtype measured faster here. Returns what was chosen, in words."""
+    load(name)
+    shapes = [(m.out_features, m.in_features) for m in model.modules() if hasattr(m, "out_features")]
+    dtype = prefill_dtype(*max(shapes, key=lambda s: s[0] * s[1])) if shapes else torch.bfloat16
+    for parent in list(model.modules()):
+        for child_name, child in parent.named_children():
+            new = replacement(child, dtype)
+            if new is not None:
+                setattr(parent, child_name, new)
+    return describe(model)
 
 
-def install() -> bool:
-    """Route the few-row bf16, int8 and int4 CPU products of model.Linear and quantize's Int8Linear and Int4Linear
-    through these kernels; False (and no change) if they are unavailable."""
-    global _lib
-    import model
-    import quantize
-    _lib = _lib or build()
-    if _lib is not None:
-        model.Linear.gemv, quantize.Int8Linear.gemv, quantize.Int4Linear.gemv = linear, linear_int8, linear_int4
-    return _lib is not None
+def describe(model: nn.Module) -> str:
+    """Which kernels the model's CPU products run on, and the prefill dtype, in words."""
+    layers = [m for m in model.modules() if isinstance(m, (GemvBf16, GemvInt8, GemvInt4))]
+    gemv = [m for m in layers if getattr(m, "gemv", True)]
+    if not layers:
+        return "CPU kernels: torch's"
+    dtypes = {str(m.dtype)[6:] for m in layers if hasattr(m, "dtype")}
+    return f"CPU kernels: {kernels if gemv else 'torch'}" + (f", prefill in {dtypes.pop()}" if dtypes else "")

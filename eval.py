@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from generate import DEFAULT_CHECKPOINT, DTYPES, checkpoint_files, load_model, resolve_device
+from checkpoint import TOKENIZER, checkpoint_files, load_model
+from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device
 from tokenizer import Tokenizer
-
 
 
 def stdlib_files(split: str) -> list[Path]:
@@ -103,6 +103,8 @@ def main(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="compute dtype (float32 by default: bf16 matmuls are slow on many CPUs)")
+    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: with bfloat16 on a CPU, "
+                   "cpu_gemv.py's kernels and the prefill dtype measured faster here; off: torch's own")
     p.error = lambda msg: sys.exit(f"error: {msg}")
     args = p.parse_args(argv)
     if min(args.seq_len, args.batch_size, args.max_files or 1) < 1:
@@ -116,14 +118,14 @@ def main(argv=None):
     texts = read_texts(files[: args.max_files], args.text or "the held-out split")
     if args.draft:
         checkpoint_files(args.draft)  # fail before the long evaluation, not after
-    model = load_model(args.checkpoint_path, resolve_device(args.device), DTYPES[args.dtype])
-    if args.seq_len > model.args.max_seq_len:
-        p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {model.args.max_seq_len}")
-    tokenizer = Tokenizer(checkpoint_files(args.checkpoint_path)[0] / "tokenizer.model")
+    model = load_model(args.checkpoint_path, resolve_device(args.device), DTYPES[args.dtype], args.cpu_kernels)
+    if args.seq_len > model.args.block_size:
+        p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {model.args.block_size}")
+    tokenizer = Tokenizer(checkpoint_files(args.checkpoint_path)[0] / TOKENIZER)
     ppl, n = perplexity(model, tokenizer, texts, args.seq_len, args.batch_size, progress=True)
     print(f"{args.checkpoint_path}: {n} tokens evaluated, perplexity {ppl:.4f}")
     if args.draft:
-        draft = load_model(args.draft, model.norm.weight.device, DTYPES[args.dtype])
+        draft = load_model(args.draft, model.norm.weight.device, DTYPES[args.dtype], args.cpu_kernels)
         if draft.args.vocab_size != model.args.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.args.vocab_size}) differs from the model's "
                              f"({model.args.vocab_size})")

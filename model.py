@@ -26,7 +26,7 @@ class ModelArgs:
     rope_base: float = 10000.0
     rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
     norm_eps: float = 1e-5
-    max_seq_len: int = 2048
+    block_size: int = 2048  # the longest context the model takes: the RoPE table and any cache stop here
     tie_embeddings: bool = False
 
     def __post_init__(self):
@@ -37,7 +37,7 @@ class ModelArgs:
         if self.intermediate_size == -1:
             self.intermediate_size = find_multiple(int(2 * 4 * self.dim / 3), 256)
         sizes = (self.vocab_size, self.n_layer, self.n_head, self.n_kv_head, self.dim, self.head_dim,
-                 self.intermediate_size, self.max_seq_len)
+                 self.intermediate_size, self.block_size)
         if min(sizes) < 1:
             raise ValueError(f"model sizes must be positive: {self}")
         if self.n_head % self.n_kv_head:
@@ -70,9 +70,9 @@ class ModelArgs:
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"rope scaling {rope_type!r} is not supported (only Llama-3.1 'llama3')")
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        max_seq_len = cfg.get("max_position_embeddings", 2048)
+        block_size = cfg.get("max_position_embeddings", 2048)
         if cfg.get("sliding_window"):  # no sliding-window attention here, so stay within the window where it is exact
-            max_seq_len = min(max_seq_len, cfg["sliding_window"])
+            block_size = min(block_size, cfg["sliding_window"])
         n_head = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
@@ -80,35 +80,35 @@ class ModelArgs:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, intermediate_size=cfg["intermediate_size"],
             rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling={k: scaling[k] for k in keys} if rope_type == "llama3" else None,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=max_seq_len,
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), block_size=block_size,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 _llama31_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 _llama32_scaling = dict(_llama31_scaling, factor=32.0)
 transformer_configs = {
-    "Llama-2-7b": dict(n_layer=32, n_head=32, dim=4096, max_seq_len=4096),
-    "Llama-2-13b": dict(n_layer=40, n_head=40, dim=5120, max_seq_len=4096),
-    "Llama-2-70b": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, max_seq_len=4096),
-    "CodeLlama-7b": dict(n_layer=32, n_head=32, dim=4096, vocab_size=32016, rope_base=1e6, max_seq_len=16384),
+    "Llama-2-7b": dict(n_layer=32, n_head=32, dim=4096, block_size=4096),
+    "Llama-2-13b": dict(n_layer=40, n_head=40, dim=5120, block_size=4096),
+    "Llama-2-70b": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, block_size=4096),
+    "CodeLlama-7b": dict(n_layer=32, n_head=32, dim=4096, vocab_size=32016, rope_base=1e6, block_size=16384),
     "CodeLlama-34b": dict(n_layer=48, n_head=64, n_kv_head=8, dim=8192, intermediate_size=22016, rope_base=1e6,
-                          max_seq_len=16384),
-    "Mistral-7B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, max_seq_len=4096),
+                          block_size=16384),
+    "Mistral-7B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, block_size=4096),
     "Llama-3-8B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, vocab_size=128256,
-                       rope_base=500000.0, max_seq_len=8192),
+                       rope_base=500000.0, block_size=8192),
     "Llama-3-70B": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, vocab_size=128256,
-                        rope_base=500000.0, max_seq_len=8192),
+                        rope_base=500000.0, block_size=8192),
     "Llama-3.1-8B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, vocab_size=128256,
-                         rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama31_scaling),
+                         rope_base=500000.0, block_size=131072, rope_scaling=_llama31_scaling),
     "Llama-3.1-70B": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, vocab_size=128256,
-                          rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama31_scaling),
+                          rope_base=500000.0, block_size=131072, rope_scaling=_llama31_scaling),
     "Llama-3.1-405B": dict(n_layer=126, n_head=128, n_kv_head=8, dim=16384, intermediate_size=53248, vocab_size=128256,
-                           rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama31_scaling),
+                           rope_base=500000.0, block_size=131072, rope_scaling=_llama31_scaling),
     "Llama-3.2-1B": dict(n_layer=16, n_head=32, n_kv_head=8, dim=2048, head_dim=64, intermediate_size=8192,
-                         vocab_size=128256, rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama32_scaling,
+                         vocab_size=128256, rope_base=500000.0, block_size=131072, rope_scaling=_llama32_scaling,
                          tie_embeddings=True),
     "Llama-3.2-3B": dict(n_layer=28, n_head=24, n_kv_head=8, dim=3072, head_dim=128, intermediate_size=8192,
-                         vocab_size=128256, rope_base=500000.0, max_seq_len=131072, rope_scaling=_llama32_scaling,
+                         vocab_size=128256, rope_base=500000.0, block_size=131072, rope_scaling=_llama32_scaling,
                          tie_embeddings=True),
     "TinyLlama-1.1B": dict(n_layer=22, n_head=32, n_kv_head=4, dim=2048, intermediate_size=5632),
 }
@@ -163,30 +163,13 @@ class KVCache(nn.Module):
         return k_out, v_out  # [B, H_kv, max_seq_length + 1, D]
 
 
-class Linear(nn.Linear):
-    """nn.Linear, except that on CPU 32 or more rows of bf16 (prefill) are multiplied in fp32: without bf16 matrix
-    instructions torch's bf16 GEMM runs at about 1 GFLOP/s on the development machine against 100+ in fp32, so
-    converting the weight first is much cheaper. Fewer rows (decode) keep bf16, which reads half the bytes, through
-    `gemv` when one is installed (cpu_gemv.py: a faster kernel than torch's there; it returns None to decline)."""
-    gemv = None
-
-    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
-        if x.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
-            if x.numel() >= 32 * x.size(-1):
-                return F.linear(x.float(), self.weight.float()).to(x.dtype)
-            y = Linear.gemv(x, self.weight) if Linear.gemv is not None else None  # a plain function: not bound
-            if y is not None:
-                return y
-        return F.linear(x, self.weight)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         # one fused matmul for q, k and v: a single pass over the input instead of three
-        self.wqkv = Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim, bias=False)
-        self.wo = Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.wqkv = nn.Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
@@ -210,9 +193,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = Linear(args.dim, args.intermediate_size, bias=False)  # up
-        self.w2 = Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -238,7 +221,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = Linear(args.dim, args.vocab_size, bias=False)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", None, persistent=False)
@@ -246,8 +229,8 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int):
         """Preallocate the KV cache and the RoPE table once; calling again with new sizes replaces both."""
-        if not 0 < max_seq_length <= self.args.max_seq_len:
-            raise ValueError(f"max_seq_length {max_seq_length} is outside the model's 1..{self.args.max_seq_len}")
+        if not 0 < max_seq_length <= self.args.block_size:
+            raise ValueError(f"max_seq_length {max_seq_length} is outside the model's 1..{self.args.block_size}")
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old cache before allocating the new one

@@ -9,15 +9,6 @@ The checkpoint file is the same on every device (safetensors; mode and group siz
         where q in 0..15 is two to a byte, column 2j in the low nibble and 2j+1 in the high one, and K' is K
         rounded up to a multiple of G with zero columns. Packing into a kernel's layout happens at load time.
 """
-import argparse
-import json
-import math
-import os
-import shutil
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -80,8 +71,6 @@ def unpack_nibbles(p: Tensor) -> Tensor:  # [N, K'/2] uint8 -> [N, K'] uint8
 # ---- quantized layers ----------------------------------------------------------------------------------------------
 
 class Int8Linear(nn.Module):
-    gemv = None  # cpu_gemv.py's int8 kernel, when installed: faster than torch's for decode on AVX2
-
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -90,10 +79,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-            y = Int8Linear.gemv(x, self.weight, self.scales) if Int8Linear.gemv is not None else None
-            if y is not None:  # None: the kernel declined these shapes
-                return y
-            # torch's CPU kernel reads the int8 weight directly; dequantizing first would write a bf16 copy per call
+            # torch's CPU kernel reads the int8 weight directly; dequantizing first would write a bf16 copy per call.
+            # On AVX-512 it crashes unless the weight is 16-byte aligned: checkpoint.py aligns every tensor
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
         # the scale is per output channel, so it can wait until after the matmul; on CUDA, inductor fuses the
@@ -103,9 +90,7 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Holds the checkpoint's plain layout until pack() rewrites it for the device's bf16 int4 kernel; unpacked, it
-    dequantizes per call (float32 or float16 activations, where the kernels do not apply). On CPU with
-    cpu_gemv.py's int4 kernel installed (`gemv`) the plain layout stays: that kernel reads it directly."""
-    gemv = None
+    dequantizes per call (float32 or float16 activations, where the kernels do not apply)."""
 
     def __init__(self, in_features: int, out_features: int, groupsize: int):
         super().__init__()
@@ -139,36 +124,31 @@ class Int4Linear(nn.Module):
         if self.k_padded != self.in_features:
             x2 = F.pad(x2, (0, self.k_padded - self.in_features))  # the weight's zero columns meet zero inputs
         if self.scales_and_zeros is None:
-            y = Int4Linear.gemv(x2, self.weight, self.scales, self.zeros) if Int4Linear.gemv is not None and \
-                x.device.type == "cpu" else None
-            if y is None:  # on CPU in fp32: torch's bf16 GEMM is slow there
-                w = dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)
-                y = F.linear(x2.float(), w).to(x.dtype) if x.device.type == "cpu" else F.linear(x2, w.to(x.dtype))
+            w = dequantize_int4(unpack_nibbles(self.weight), self.scales, self.zeros)
+            y = F.linear(x2, w.to(x.dtype))
         else:
             mm = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
             y = mm(x2, self.weight, self.groupsize, self.scales_and_zeros)[:, : self.out_features]
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def replace_linears(model: nn.Module, mode: str, groupsize: int) -> nn.Module:
+def install(model: nn.Module, mode: str, groupsize: int) -> nn.Module:
     """Swap every nn.Linear (the output head too) for its quantized twin, in place; run on the meta device."""
     for name, child in model.named_children():
         if isinstance(child, nn.Linear):
             k, n = child.in_features, child.out_features
             setattr(model, name, Int8Linear(k, n) if mode == "int8" else Int4Linear(k, n, groupsize))
         else:
-            replace_linears(child, mode, groupsize)
+            install(child, mode, groupsize)
     return model
 
 
-def pack_for_kernels(model: nn.Module, dtype: torch.dtype):
-    """After loading: the int4 kernels take bf16 activations; other dtypes keep the dequantizing path."""
-    if dtype == torch.bfloat16:
-        for m in model.modules():
-            # cpu_gemv's kernel, when installed, reads the plain layout: groups of 64 or more, on CPU
-            if isinstance(m, Int4Linear) and not (Int4Linear.gemv is not None and m.weight.device.type == "cpu"
-                                                  and m.groupsize % 64 == 0):
-                m.pack()
+def pack(model: nn.Module):
+    """After loading with bf16 activations (the int4 kernels take no other): every Int4Linear into its kernel's
+    layout. Layers that another kernel took over (cpu_gemv.py, which reads the stored layout) are no longer here."""
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            m.pack()
 
 
 # ---- GPTQ ----------------------------------------------------------------------------------------------------------
@@ -254,7 +234,7 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, chunk: int = 
     return out
 
 
-# ---- checkpoints ---------------------------------------------------------------------------------------------------
+# ---- whole models ---------------------------------------------------------------------------------------------------
 
 def calibration_tokens(tokenizer, texts: list[str], samples: int, seq_len: int) -> Tensor:  # -> [n, S]
     """Up to `samples` windows of seq_len tokens, spread evenly over the concatenated texts."""
@@ -283,109 +263,3 @@ def quantized_state(model: Transformer, mode: str, groupsize: int, gptq: Optiona
             q, state[layer + ".scales"], state[layer + ".zeros"] = gptq[layer] if gptq else quantize_int4(t, groupsize)
             state[name] = pack_nibbles(q)
     return {k: v.contiguous().cpu() for k, v in state.items()}
-
-
-def write_checkpoint(state: dict, metadata: dict, src_dir: Path, out_dir: Path, force: bool):
-    """Write into a temporary sibling directory, then rename: an interrupted run leaves no half checkpoint."""
-    from safetensors.torch import save_file
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    try:
-        save_file(state, tmp / "model.safetensors", metadata=metadata)
-        for name in ("config.json", "tokenizer.model"):
-            if (src_dir / name).is_file():
-                shutil.copy(src_dir / name, tmp / name)
-        if force and out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_dir=None, calibration_texts=None,
-                        samples: int = 128, seq_len: int = 512, device="cpu", force: bool = False,
-                        verbose: bool = False) -> Path:
-    """Quantize a float checkpoint into out_dir (default: next to it, named after the mode). Returns out_dir.
-    GPTQ calibrates on calibration_texts, by default the built-in held-out split."""
-    from generate import checkpoint_files, load_model, read_quantization
-    from tokenizer import Tokenizer
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-    if mode != "int8" and groupsize not in GROUPSIZES:
-        raise ValueError(f"group size {groupsize} is not supported; use one of {', '.join(map(str, GROUPSIZES))}")
-    ckpt_dir, weights = checkpoint_files(checkpoint_path)
-    if read_quantization(weights):
-        raise ValueError(f"{weights} is already quantized ({read_quantization(weights)[0]}); quantize the "
-                         f"original float checkpoint instead")
-    tag = mode if mode == "int8" else f"{mode}-g{groupsize}"
-    out_dir = Path(out_dir) if out_dir else ckpt_dir.parent / f"{ckpt_dir.name}-{tag}"
-    if out_dir.resolve() == ckpt_dir.resolve():
-        raise ValueError(f"--out_dir {out_dir} is the input checkpoint; choose another directory")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
-        raise ValueError(f"{out_dir} already exists; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    t0 = time.perf_counter()
-    model = load_model(ckpt_dir, device, torch.float32)
-    model.output.weight = nn.Parameter(model.output.weight.clone())  # quantized apart from a tied embedding
-    def say(msg, end="\n"):
-        if verbose:
-            print(msg, end=end, file=sys.stderr, flush=True)
-    progress = lambda what: lambda i, n: say(f"\r{what} {i}/{n}", end="\n" if i == n else "")
-    gptq = None
-    if mode == "int4-gptq":
-        if calibration_texts is None:
-            from eval import read_texts, stdlib_files
-            calibration_texts = read_texts(stdlib_files("heldout"), "the held-out split")
-        tokens = calibration_tokens(Tokenizer(ckpt_dir / "tokenizer.model"), calibration_texts, samples,
-                                    min(seq_len, model.args.max_seq_len)).to(device)
-        say(f"GPTQ on {tokens.size(0)} calibration windows of {tokens.size(1)} tokens")
-        gptq = gptq_model(model, tokens, groupsize, progress=progress("GPTQ: blocks done"))
-    state = quantized_state(model, "int8" if mode == "int8" else "int4", groupsize, gptq,
-                            progress=progress("quantizing layer"))
-    metadata = {"quantization": "int8" if mode == "int8" else "int4", "method": "gptq" if gptq else "rtn",
-                "source": str(ckpt_dir)}
-    if mode != "int8":
-        metadata["groupsize"] = str(groupsize)
-    write_checkpoint(state, metadata, ckpt_dir, out_dir, force)
-    mb = lambda p: p.stat().st_size / 1e6
-    say(f"Wrote {out_dir / 'model.safetensors'}: {mb(out_dir / 'model.safetensors'):.1f} MB "
-        f"(from {mb(weights):.1f} MB) in {time.perf_counter() - t0:.1f} s")
-    return out_dir
-
-
-def main(argv=None):
-    from eval import read_texts
-    from generate import DEFAULT_CHECKPOINT, resolve_device
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
-                   help="float checkpoint directory (default: the built-in target model)")
-    p.add_argument("--mode", required=True, choices=MODES, help="int8: per channel; int4: per group, round to "
-                   "nearest; int4-gptq: per group, GPTQ on calibration text")
-    p.add_argument("--groupsize", type=int, help="int4 group size: 32, 64, 128 or 256 (default 128)")
-    p.add_argument("--calibration_file", type=Path, help="text for GPTQ (default: the built-in held-out split of "
-                   "the Python standard library)")
-    p.add_argument("--calibration_samples", type=int, default=128, help="GPTQ calibration windows")
-    p.add_argument("--calibration_seq_len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--out_dir", type=Path, help="where to write (default: CHECKPOINT-MODE next to the input)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out_dir")
-    p.add_argument("--device", default="auto", help="where GPTQ runs: auto, cpu, cuda or cuda:N")
-    p.error = lambda msg: sys.exit(f"error: {msg}")
-    args = p.parse_args(argv)
-    if args.mode == "int8" and args.groupsize is not None:
-        p.error("--groupsize applies to int4 only; int8 has one scale per output channel")
-    if args.mode != "int4-gptq" and args.calibration_file:
-        p.error("--calibration_file applies to --mode int4-gptq only")
-    if min(args.calibration_samples, args.calibration_seq_len) < 1:
-        p.error("--calibration_samples and --calibration_seq_len must be at least 1")
-    texts = read_texts([args.calibration_file], args.calibration_file) if args.calibration_file else None
-    quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize or 128, args.out_dir, texts,
-                        args.calibration_samples, args.calibration_seq_len, resolve_device(args.device),
-                        args.force, verbose=True)
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
-        sys.exit(f"error: {e}")

@@ -8,17 +8,21 @@ reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU eac
 arithmetic (a quarter of a step or more here), which is why the adaptive rule below measures costs instead of
 assuming them."""
 import math
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from generate import device_sync, draw, logits_to_probs, prefill
-from model import kv_bucket
-from tp import world_sum
+import generate
+from checkpoint import TOKENIZER, checkpoint_files, load_model
+from generate import Generation, compile_prefill, compile_step, device_sync, draw, logits_to_probs, peak_memory_gb, \
+    prefill
+from model import Transformer, kv_bucket
 
 
 def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
@@ -41,6 +45,19 @@ def draft_step(draft, cur, input_pos, kv_len, **sampling):  # cur [1, 1], input_
 
 def verify(model, tokens, input_pos, kv_len, **sampling):  # tokens [1, m+1], input_pos [m+1] -> probs [m+1, V]
     return probs_of(model(tokens, input_pos, None, kv_len)[0], **sampling)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The step functions the speculative loop calls, compiled or not, built once (see generate.Steps)."""
+    prefill: Callable = prefill
+    draft: Callable = draft_step
+    verify: Callable = verify
+
+
+def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
+    step = compile_step if compile else (lambda f: f)
+    return Steps(compile_prefill(prefill) if compile_prefill_too else prefill, step(draft_step), step(verify))
 
 
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
@@ -106,10 +123,12 @@ class Threshold:
 @torch.no_grad()
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, draft=None,
                          ngram: Optional[int] = None, adaptive: bool = False, eos_id: Optional[int] = None,
-                         callback: Optional[Callable] = None, **sampling) -> tuple[list[int], dict]:
+                         callback: Optional[Callable] = None, steps: Steps = Steps(),
+                         agree: Optional[Callable] = None, **sampling) -> Generation:
     """Batch-1 generation with a draft model (draft=...) or prompt lookup (ngram=...) proposing up to k tokens a
-    round; with adaptive=True the draft's length is chosen each round by threshold decoding.
-    Returns the new tokens (cut before EOS) and statistics: accepted[j] counts the rounds that kept j proposals."""
+    round; with adaptive=True the draft's length is chosen each round by threshold decoding. callback, if given,
+    sees the new tokens after every round. agree(values) -> values, if given, averages the adaptive rule's timings
+    over tensor-parallel ranks, so that every rank drafts alike."""
     if k < 1:
         raise ValueError(f"--speculate_k must be at least 1, got {k}")
     if (draft is None) == (ngram is None):
@@ -117,9 +136,9 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     device, T = model.tok_embeddings.weight.device, len(prompt)
     length = T + max_new_tokens + k + 1  # a verify pass writes up to k + 1 cache slots past the last kept token
     for m in (model, draft) if draft is not None else (model,):
-        if length > m.args.max_seq_len:
+        if length > m.args.block_size:
             raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + speculate_k ({k}) + 1 "
-                             f"exceeds the maximum sequence length {m.args.max_seq_len}")
+                             f"exceeds the maximum sequence length {m.args.block_size}")
         if m.max_batch_size < 1 or m.max_seq_length < length:
             m.setup_caches(1, length)
     rule = Threshold() if adaptive and draft is not None else None
@@ -129,9 +148,9 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     idx = torch.tensor([prompt], device=device)
     device_sync(device)
     t0 = time.perf_counter()
-    cur = prefill(model, idx, slots[:T], None, kv_bucket(T, model.max_seq_length), **sampling)  # [1]
+    cur = steps.prefill(model, idx, slots[:T], None, kv_bucket(T, model.max_seq_length), **sampling)  # [1]
     if draft is not None:
-        draft(idx, slots[:T], None, kv_bucket(T, draft.max_seq_length))
+        steps.prefill(draft, idx, slots[:T], None, kv_bucket(T, draft.max_seq_length), **sampling)
     device_sync(device)
     prefill_s = time.perf_counter() - t0
     out, emitted, accepted, drafted = [], [int(cur)], [0] * (k + 1), 0
@@ -149,7 +168,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         if draft is not None:
             t, cum, m = cur.view(1, 1), 1.0, 0
             while m < k and (rule is None or cum >= rule.tau or m == 0):
-                nxt, probs, conf = draft_step(draft, t, slots[pos + m : pos + m + 1],
+                nxt, probs, conf = steps.draft(draft, t, slots[pos + m : pos + m + 1],
                                               kv_bucket(pos + m + 1, draft.max_seq_length), **sampling)
                 proposed[m], q[m] = nxt[0], probs[0]
                 t, m = proposed[m : m + 1].view(1, 1), m + 1
@@ -161,28 +180,94 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
             proposed[:m] = torch.tensor(guess, dtype=torch.long)
             q[:m] = F.one_hot(proposed[:m], q.size(1)).float()  # a deterministic guess is a one-hot proposal
         t_verify = time.perf_counter()
-        p = verify(model, torch.cat([cur, proposed[:m]])[None], slots[pos : pos + m + 1],
+        p = steps.verify(model, torch.cat([cur, proposed[:m]])[None], slots[pos : pos + m + 1],
                    kv_bucket(pos + m + 1, model.max_seq_length), **sampling)
         n, cur = accept(p, q[:m], proposed[:m])
         t_accept = time.perf_counter()
         if draft is not None and n == m:  # the draft never saw its own last proposal: put it in its cache
-            draft_step(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1],
+            steps.draft(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1],
                        kv_bucket(pos + m + 1, draft.max_seq_length), **sampling)
         if rule is not None:  # under tensor parallelism every rank must draft alike: they share their timings
             times = [t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round]
-            rule.update(m, n, *world_sum(times, device, mean=True))
+            rule.update(m, n, *(agree(times) if agree else times))
         accepted[n] += 1
         drafted += m
         emitted = torch.cat([proposed[:n], cur]).tolist()
         pos += n + 1
     device_sync(device)
-    elapsed = time.perf_counter() - t0
+    decode_s = time.perf_counter() - t0 - prefill_s
+    n_new = len(out)
     if eos_id is not None and eos_id in out:
         out = out[: out.index(eos_id)]
-    rounds, kept = sum(accepted), sum(j * c for j, c in enumerate(accepted))
-    stats = {"total_s": elapsed, "prefill_s": prefill_s, "new_tokens": len(out), "target_forwards": rounds + 1,  # + prefill
-             "accept_histogram": accepted,  # [j]: rounds that kept j proposals
-             "mean_accepted": kept / max(rounds, 1),  # proposals kept per verify pass; it also yields one more
-             "mean_drafted": drafted / max(rounds, 1),
-             "acceptance_rate": kept / max(drafted, 1)}
-    return out, stats
+    return Generation([out], T, prefill_s, decode_s, n_new - 1, sum(accepted), peak_memory_gb(device), drafted,
+                      accepted)
+
+
+# ---- command line: generate.py's, with a proposer -----------------------------------------------------------------
+
+def load_draft(path, target_dir: Path, model: Transformer, device, dtype, cpu_kernels: str = "auto") -> Transformer:
+    """The draft model, checked to share the target's tokenizer and vocabulary."""
+    draft_dir, _ = checkpoint_files(path)
+    tok = draft_dir / TOKENIZER
+    if not tok.is_file() or tok.read_bytes() != (target_dir / TOKENIZER).read_bytes():
+        raise ValueError(f"the draft's tokenizer ({draft_dir / TOKENIZER}) differs from the target's")
+    draft = load_model(path, device, dtype, cpu_kernels)
+    if draft.args.vocab_size != model.args.vocab_size:
+        raise ValueError(f"the draft's vocab_size {draft.args.vocab_size} differs from the target's "
+                         f"{model.args.vocab_size}")
+    return draft
+
+
+def speculative_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, **sampling) -> Callable:
+    """generate.run's loop: (eos_id, callback) -> Generation. Without a proposer, plain decoding. Under tensor
+    parallelism the draft is replicated on every rank."""
+    if not (args.draft_checkpoint_path or args.prompt_lookup):
+        return generate.plain_loop(args, model, prompts, parallel, **sampling)
+    device = model.tok_embeddings.weight.device
+    draft = load_draft(args.draft_checkpoint_path, checkpoint_files(args.checkpoint_path)[0], model, device,
+                       model.norm.weight.dtype, args.cpu_kernels) if args.draft_checkpoint_path else None
+    steps = build_steps(args.compile, args.compile_prefill)
+    agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
+    return lambda eos_id, callback: speculative_generate(
+        model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup, not args.fixed_k,
+        eos_id, callback, steps, agree, **sampling)
+
+
+def parser():
+    p = generate.parser()
+    p.description = "Generate text with speculative decoding: " + __doc__.splitlines()[0]
+    p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer "
+                   "proposes up to --speculate_k tokens, the target verifies them in one pass")
+    p.add_argument("--prompt_lookup", type=int, metavar="N", help="no draft model: propose the tokens that "
+                   "followed the last earlier occurrence of the context's last N tokens")
+    p.add_argument("--speculate_k", type=int, default=5, help="the most tokens proposed per verify pass; a draft "
+                   "model stops earlier when it grows unsure (threshold decoding), unless --fixed_k")
+    p.add_argument("--fixed_k", action="store_true", help="the draft model always proposes --speculate_k tokens")
+    return p
+
+
+def parse_args(argv=None):
+    p = parser()
+    args = generate.parse_args(argv, p)
+    checks = [(args.speculate_k >= 1, "--speculate_k must be at least 1"),
+              (args.prompt_lookup is None or args.prompt_lookup >= 1, "--prompt_lookup must be at least 1"),
+              (not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
+               "--prompt_lookup, not both"),
+              (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
+              (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup),
+               "speculative decoding supports batch size 1 only")]
+    for ok, msg in checks:
+        if not ok:
+            p.error(msg)
+    return args
+
+
+def main(argv=None, parallel=None):
+    generate.run(parse_args(argv), speculative_loop, parallel)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:  # bad input: one line, no traceback
+        sys.exit(f"error: {e}")

@@ -9,17 +9,24 @@ samples the same token, so no rank waits for another to broadcast it.
 
 The split is done on the checkpoint's tensors before they reach the device, so a rank never holds the whole
 model; the local model is built from `local_args`, whose head counts and feed-forward width are 1/W of the full
-ones, so its attention, shapes and KV cache (n_kv_head / W heads) need no special case."""
+ones, so its attention, shapes and KV cache (n_kv_head / W heads) need no special case.
+
+    torchrun --standalone --nproc_per_node=2 tp.py [generate.py's and speculative.py's flags]"""
 import dataclasses
 import os
 import sys
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
 from torch import Tensor
+
+import checkpoint
+import generate
+import speculative
 
 # a dead rank leaves the others blocked in a collective; this bounds the wait (torchrun also stops them at once)
 TIMEOUT = timedelta(seconds=120)
@@ -27,10 +34,10 @@ COLUMN = ("attention.wqkv", "feed_forward.w1", "feed_forward.w3")
 ROW = ("attention.wo", "feed_forward.w2")
 
 
-def init_distributed(device: torch.device) -> Optional[tuple[int, int, torch.device]]:
-    """(rank, world size, this rank's device) when launched by torchrun, else None. Only rank 0 prints."""
+def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device) as torchrun set them. Only rank 0 prints."""
     if "LOCAL_RANK" not in os.environ:
-        return None
+        raise ValueError("tp.py runs under torchrun: torchrun --standalone --nproc_per_node=N tp.py ...")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
         device = torch.device("cuda", local)
@@ -82,13 +89,47 @@ def shard_state(state: dict, args, rank: int, world: int, device) -> dict:
     return out
 
 
-def all_reduce_outputs(model) -> None:
-    """Sum the row-parallel layers' partial outputs over the ranks. Functional collectives are ordinary ops to
-    torch.compile, so the compiled decode step stays one graph."""
-    group = dist.group.WORLD
-    for name, module in model.named_modules():
-        if name.endswith(ROW):
-            module.register_forward_hook(lambda _m, _in, y: funcol.all_reduce(y, "sum", group))
+class AllReduce(nn.Module):
+    """A row-parallel layer whose partial outputs are summed over the ranks. Functional collectives are ordinary
+    ops to torch.compile, so the compiled decode step stays one graph."""
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        return funcol.all_reduce(self.layer(x), "sum", dist.group.WORLD)
+
+
+def install(model: nn.Module) -> nn.Module:
+    """Wrap the row-parallel layers (attention.wo, feed_forward.w2) so that their outputs are summed."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if f"{name}.{child_name}".endswith(ROW):
+                setattr(module, child_name, AllReduce(child))
+    return model
+
+
+def load_sharded(checkpoint_path, rank: int, world: int, device, dtype, cpu_kernels: str = "auto") -> nn.Module:
+    """This rank's slice of the checkpoint's model: read on the CPU (memory-mapped), sliced, and only the slice
+    moved to `device`. Raises, on every rank alike, when the model does not split evenly."""
+    ckpt_dir, weights = checkpoint.checkpoint_files(checkpoint_path)
+    args, quantization = checkpoint.read_config(ckpt_dir), checkpoint.read_quantization(weights)
+    local = local_args(args, world, quantization[1] if quantization and quantization[0] == "int4" else None)
+    args, quantization, state = checkpoint.read_checkpoint(checkpoint_path, "cpu", dtype)
+    state = shard_state(state, args, rank, world, device)
+    return install(checkpoint.build(local, quantization, state, device, dtype, cpu_kernels))
+
+
+@dataclasses.dataclass
+class Parallel:
+    """What generate.run needs to know of the ranks: this rank, its device, how to load its slice, and how to
+    combine host figures over the ranks."""
+    rank: int
+    world: int
+    device: torch.device
+    load_model: Callable
+    sum: Callable = None
+    gather: Callable = None
 
 
 def world_sum(values: list[float], device, mean: bool = False) -> list[float]:
@@ -107,3 +148,23 @@ def world_gather(value: float) -> list[float]:  # one figure per rank, e.g. peak
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def main(argv=None):
+    args = speculative.parse_args(argv)
+    rank, world, device = init_distributed(generate.resolve_device(args.device))
+    load = lambda path, device, dtype, kernels: load_sharded(path, rank, world, device, dtype, kernels)  # noqa: E731
+    sums = lambda values, mean=False: world_sum(values, device, mean)  # noqa: E731
+    generate.run(args, speculative.speculative_loop, Parallel(rank, world, device, load, sums, world_gather))
+    finish()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:  # bad input: one line, no traceback, from every rank
+        sys.exit(f"error: {e}")
+    except RuntimeError as e:  # a collective fails when another rank dies or stops answering
+        if not dist.is_initialized():
+            raise
+        sys.exit(f"error: rank {dist.get_rank()} lost contact with the other ranks: {str(e).splitlines()[0]}")

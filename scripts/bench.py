@@ -21,11 +21,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-import generate as gen  # noqa: E402
-from bench_quantize import cpu_name, random_checkpoint  # noqa: E402
+import cpu_gemv  # noqa: E402
+from bench_quantize import random_checkpoint  # noqa: E402
+from checkpoint import load_model, read_config  # noqa: E402
+from generate import (DEFAULT_CHECKPOINT, build_steps, device_sync, generate, peak_memory_gb,  # noqa: E402
+                      resolve_device, weight_bytes)
 from model import transformer_configs  # noqa: E402
-from generate import (DEFAULT_CHECKPOINT, device_sync, load_args, load_model, peak_memory_gb, resolve_device,  # noqa: E402
-                      weight_bytes)
 
 SHAPES = {"cpu": ["built-in", "TinyLlama-1.1B"], "cuda": ["built-in", "TinyLlama-1.1B", "Llama-2-7b"]}
 INT4_GROUPSIZE = 128
@@ -61,16 +62,21 @@ def matmul_flops(device, n: int) -> dict:
     return flops
 
 
-def checkpoint(shape: str, weights: str, work: Path) -> Path:
-    """The built-in target or a named shape with random weights, quantized as asked; cached in `work`."""
-    base = DEFAULT_CHECKPOINT if shape == "built-in" else work / shape
-    if shape != "built-in" and not base.exists():
-        random_checkpoint(shape, base)
+def checkpoint(shape: str, weights: str, work: Path, cache: int = 0) -> Path:
+    """The built-in target or a named shape with random weights, quantized as asked; cached in `work`. A cache
+    longer than the shape's context gets random weights of the shape with that context: speed needs no training."""
+    if shape == "built-in" and not cache:
+        base = DEFAULT_CHECKPOINT
+    else:
+        block_size = max(cache, read_config(DEFAULT_CHECKPOINT).block_size if shape == "built-in" else 0)
+        base = work / f"{shape}-{block_size}" if block_size else work / shape
+        if not base.exists():
+            random_checkpoint(shape, base, block_size)
     if weights == "bf16":
         return base
-    out = work / f"{shape}-{weights}"
+    out = work / f"{base.name}-{weights}"
     if not out.exists():
-        from quantize import quantize_checkpoint
+        from quantize_checkpoint import quantize_checkpoint
         quantize_checkpoint(base, weights, INT4_GROUPSIZE, out_dir=out)
     return out
 
@@ -98,7 +104,7 @@ def run_one(cfg: dict) -> dict:
             peak = peak_memory_gb(device)
         copies.append(copy_bandwidth(device, COPY_GIB[device.type == "cuda"]))
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-    return {"prompt": cfg["prompt"], "ttft_ms": 1e3 * med("ttft_s"), "prefill_tok_s": cfg["batch"] * cfg["prompt"] /
+    return {"prompt": cfg["prompt"], "kernels": cfg.get("kernels", "torch"), "ttft_ms": 1e3 * med("ttft_s"), "prefill_tok_s": cfg["batch"] * cfg["prompt"] /
             med("ttft_s"), "decode_tok_s": cfg["batch"] * med("decode_tok_s"),
             "bandwidth_gb_s": weights * med("decode_tok_s") / 1e9, "weight_gb": weights / 1e9,
             "copy_gb_s": statistics.median(copies) / 1e9,
@@ -109,19 +115,16 @@ def run_one(cfg: dict) -> dict:
 
 def run_ours(cfg: dict, device):
     """(weight bytes, prefill FLOPs per token, one timed greedy generation) for this project's model."""
-    model = load_model(cfg["checkpoint"], device, torch.bfloat16)
-    if cfg["compiled"]:
-        gen.decode_one_token = gen.compile_step(gen.decode_one_token)
-    cfg["prompt"] = min(cfg["prompt"], model.args.max_seq_len - cfg["new_tokens"])  # the built-in model stops at 1024
+    model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
+    steps = build_steps(cfg["compiled"])
+    cfg["prompt"] = min(cfg["prompt"], model.args.block_size - cfg["new_tokens"])  # the built-in model stops at 1024
     prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], cfg["prompt"])).tolist()
-    cache = cfg.get("cache") or cfg["prompt"] + cfg["new_tokens"]
-    model.args.max_seq_len = max(model.args.max_seq_len, cache)  # random or speed-only weights: any length will do
-    model.setup_caches(cfg["batch"], cache)
+    model.setup_caches(cfg["batch"], cfg.get("cache") or cfg["prompt"] + cfg["new_tokens"])
+    cfg["kernels"] = cpu_gemv.describe(model) if device.type == "cpu" else "torch"
 
     def run():
-        r = gen.generate(model, prompts, cfg["new_tokens"], temperature=0)[1]
-        return {"ttft_s": r["prefill_s"], "decode_tok_s": r["decode_steps"] / r["decode_s"],
-                "total_s": r["prefill_s"] + r["decode_s"]}
+        r = generate(model, prompts, cfg["new_tokens"], steps=steps, temperature=0)
+        return {"ttft_s": r.prefill_s, "decode_tok_s": r.forwards / r.decode_s, "total_s": r.prefill_s + r.decode_s}
     return weight_bytes(model), 2 * matmul_weights(model.args), run
 
 
@@ -130,10 +133,10 @@ def run_transformers(cfg: dict, device):
     own generate(): eager with its default dynamic cache, or compiled as its documentation recommends, with a
     static cache and forward compiled with mode="reduce-overhead". A streamer timestamps each token."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    a = load_args(Path(cfg["checkpoint"]))
+    a = read_config(Path(cfg["checkpoint"]))
     config = LlamaConfig(vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.intermediate_size,
                          num_hidden_layers=a.n_layer, num_attention_heads=a.n_head, num_key_value_heads=a.n_kv_head,
-                         head_dim=a.head_dim, max_position_embeddings=a.max_seq_len, rms_norm_eps=a.norm_eps,
+                         head_dim=a.head_dim, max_position_embeddings=a.block_size, rms_norm_eps=a.norm_eps,
                          tie_word_embeddings=a.tie_embeddings)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
@@ -184,6 +187,8 @@ def main():
                    help="run Hugging Face transformers beside ours (bf16, batch 1, the short prompt)")
     p.add_argument("--long_cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode a 100-token context in a 2k and a 32k cache (bf16, compiled, batch 1)")
+    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: cpu_gemv.py's kernels for "
+                   "this CPU and the prefill dtype measured faster here; off: torch's own kernels")
     p.add_argument("--json", type=Path, default=Path("bench.json"))
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration given as JSON
     args = p.parse_args()
@@ -197,7 +202,8 @@ def main():
             cfg = run_one(cfg)
         print(json.dumps(cfg))
         return
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{cpu_gemv.cpu_name()}, {torch.get_num_threads()} threads"
     ceilings = one_process(device, "ceilings")  # in a child: on Linux a child inherits its parent's peak RSS
     copy_bw, matmul = ceilings["copy"], ceilings["matmul"]
     flops = max(matmul.values())
@@ -207,7 +213,7 @@ def main():
     rows, long_rows = [], []
     for cfg in configs(args, device):
         row = dict(cfg, **one_process(device, dict(cfg, device=str(device),
-                                                   checkpoint=str(checkpoint(cfg["shape"], cfg["weights"], args.work_dir)))))
+                                                   checkpoint=str(checkpoint(cfg["shape"], cfg["weights"], args.work_dir, cfg.get("cache", 0))))))
         row["pct_run_copy"] = 100 * row["bandwidth_gb_s"] * 1e9 / copy_bw
         row["pct_flops"] = 100 * row["prefill_tok_s"] * row["prefill_flops_per_token"] / flops
         if "cache" in cfg:
@@ -227,7 +233,7 @@ def configs(args, device) -> list[dict]:
     """Every configuration of the run: ours over the whole grid, transformers beside it (bf16, batch 1, the short
     prompt), and the long-cache pair (a 100-token context in a 2k and a 32k cache)."""
     shapes = args.shapes or SHAPES.get(device.type, SHAPES["cpu"])
-    common = dict(new_tokens=args.new_tokens, repeats=args.repeats)
+    common = dict(new_tokens=args.new_tokens, repeats=args.repeats, cpu_kernels=args.cpu_kernels)
     out = []
     for shape, weights, mode, batch, prompt in itertools.product(shapes, args.weights, args.modes, args.batches,
                                                                  args.prompts):
@@ -256,10 +262,11 @@ def one_process(device, cfg) -> dict:
 
 def print_row(r: dict, header: bool):
     if header:
-        print("\n| shape | impl | weights | mode | batch | prompt | TTFT ms | prefill tok/s | % of matmul | decode tok/s "
-              "| GB/s | copy GB/s | % of copy | peak GB | compile s |")
-        print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {r['shape']} | {r['impl']} | {r['weights']} | {r['mode']} | {r['batch']} | {r['prompt']} | "
+        print("\n| shape | impl | kernels | weights | mode | batch | prompt | TTFT ms | prefill tok/s | % of matmul "
+              "| decode tok/s | GB/s | copy GB/s | % of copy | peak GB | compile s |")
+        print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    kernels = r["kernels"].removeprefix("CPU kernels: ")
+    print(f"| {r['shape']} | {r['impl']} | {kernels} | {r['weights']} | {r['mode']} | {r['batch']} | {r['prompt']} | "
           f"{r['ttft_ms']:.1f} | {r['prefill_tok_s']:.0f} | {r['pct_flops']:.0f}% | {r['decode_tok_s']:.1f} | "
           f"{r['bandwidth_gb_s']:.1f} | {r['copy_gb_s']:.1f} | {r['pct_copy']:.0f}% | {r['peak_memory_gb']:.2f} | "
           f"{r['compile_s']:.0f} |", flush=True)

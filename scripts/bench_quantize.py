@@ -2,8 +2,8 @@
 in one run on one machine, for the built-in target model and a 1.1B-parameter Llama shape with random weights.
 Prints a Markdown table (speeds also as ratios to bf16) and writes the figures as JSON."""
 import argparse
+import dataclasses
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -13,10 +13,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import checkpoint  # noqa: E402
+from checkpoint import load_model, read_config  # noqa: E402
+from cpu_gemv import cpu_name  # noqa: E402
 from eval import perplexity, read_texts, stdlib_files  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, generate, load_model, resolve_device  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, build_steps, generate, resolve_device  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
-from quantize import quantize_checkpoint  # noqa: E402
+from quantize_checkpoint import quantize_checkpoint  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 # (row label, quantize.py mode, group size, GPTQ calibration: "heldout" or "train")
@@ -25,48 +28,35 @@ ROWS = [("bf16", None, None, None), ("int8", "int8", None, None), ("int4-g32", "
         ("int4-gptq-g128, train-split calibration", "int4-gptq", 128, "train")]
 
 
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    names = [l.split(":", 1)[1].strip() for l in info.read_text().splitlines() if l.startswith("model name")] \
-        if info.exists() else []
-    return names[0] if names else platform.processor() or platform.machine()
-
-
-def random_checkpoint(name: str, out_dir: Path) -> Path:
-    """A checkpoint of a named shape with N(0, 0.02) weights and the built-in tokenizer: speed needs no training."""
-    import shutil
-    from safetensors.torch import save_file
-    args = ModelArgs.from_name(name)
+def random_checkpoint(name: str, out_dir: Path, block_size: int = 0) -> Path:
+    """A checkpoint of a named shape (or the built-in one) with N(0, 0.02) weights and the built-in tokenizer, and
+    a context of block_size if given: speed needs no training."""
+    args = read_config(DEFAULT_CHECKPOINT) if name == "built-in" else ModelArgs.from_name(name)
+    args = dataclasses.replace(args, block_size=block_size or args.block_size)
     torch.manual_seed(0)
     model = Transformer(args).to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    out_dir.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out_dir / "model.safetensors")
-    config = {k: getattr(args, k) for k in args.__dataclass_fields__}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    shutil.copy(DEFAULT_CHECKPOINT / "tokenizer.model", out_dir / "tokenizer.model")
-    return out_dir
+    state = model.state_dict()
+    if args.tie_embeddings:
+        state.pop("output.weight")
+    return checkpoint.save(out_dir, args, state, DEFAULT_CHECKPOINT / checkpoint.TOKENIZER)
 
 
 def decode_speed(ckpt: Path, device, new_tokens: int, repeats: int, compile: bool) -> float:
     """Median batch-1 greedy decode tokens/sec over `repeats` runs, after one warm-up (and compile) run."""
-    import generate as gen
     model = load_model(ckpt, device, torch.bfloat16)
-    decode_one_token = gen.decode_one_token
-    if compile:
-        gen.decode_one_token = gen.compile_step(decode_one_token)
+    steps = build_steps(compile)
     try:
-        prompt = [Tokenizer(ckpt / "tokenizer.model").encode("def fibonacci(n):", bos=True)]
-        generate(model, prompt, new_tokens, temperature=0)
+        prompt = [Tokenizer(ckpt / checkpoint.TOKENIZER).encode("def fibonacci(n):", bos=True)]
+        generate(model, prompt, new_tokens, steps=steps, temperature=0)
         rates = []
         for _ in range(repeats):
-            _, stats = generate(model, prompt, new_tokens, temperature=0)
-            rates.append(stats["decode_steps"] / stats["decode_s"])
+            r = generate(model, prompt, new_tokens, steps=steps, temperature=0)
+            rates.append(r.forwards / r.decode_s)
         return statistics.median(rates)
     finally:
-        gen.decode_one_token = decode_one_token
         torch._dynamo.reset()
 
 

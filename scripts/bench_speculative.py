@@ -16,8 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
+from checkpoint import load_model  # noqa: E402
 from eval import read_texts, stdlib_files  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, DTYPES, load_model, resolve_device  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device  # noqa: E402
 from model import kv_bucket  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
@@ -50,26 +51,27 @@ def prompt_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
             "repetitive": [tokenizer.encode("def fibonacci(n):", bos=True)]}
 
 
-def decode_rate(model, prompt: list[int], new_tokens: int, kwargs) -> tuple[float, dict]:
+def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_steps) -> tuple[float, dict]:
     """Greedy decode tokens/sec after the first token (prefill is the same for every row), and the statistics."""
     if kwargs is None:
-        _, st = gen.generate(model, [prompt], new_tokens, None, temperature=0)
-        return st["decode_steps"] / st["decode_s"], {}
+        r = gen.generate(model, [prompt], new_tokens, None, steps=steps, temperature=0)
+        return r.decode_tokens / r.decode_s, {}
     kw = dict(kwargs)
-    out, st = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), temperature=0, **kw)
-    return (st["new_tokens"] - 1) / (st["total_s"] - st["prefill_s"]), st
+    r = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), steps=spec_steps, temperature=0,
+                                         **kw)
+    return r.decode_tokens / r.decode_s, r.metrics(0)
 
 
-def step_costs(model, draft, pos: int, k_max: int, device) -> dict:
+def step_costs(model, draft, pos: int, k_max: int, device, steps, spec_steps) -> dict:
     """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
     cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)
     n = kv_bucket(pos + k_max + 1, model.max_seq_length)  # every pass reads the same cache length
-    costs = {"target_step": seconds(lambda: gen.decode_one_token(model, cur, slot, None, n, temperature=0), 50, device),
-             "draft_step": seconds(lambda: speculative.draft_step(draft, cur, slot, n, temperature=0), 50, device)}
+    costs = {"target_step": seconds(lambda: steps.decode(model, cur, slot, None, n, temperature=0), 50, device),
+             "draft_step": seconds(lambda: spec_steps.draft(draft, cur, slot, n, temperature=0), 50, device)}
     for s in range(2, max(k_max, *KS) + 2):
         tokens = torch.zeros(1, s, dtype=torch.long, device=device)
         slots = torch.arange(pos, pos + s, device=device)
-        costs[f"verify_{s}"] = seconds(lambda: speculative.verify(model, tokens, slots, n, temperature=0), 30, device)
+        costs[f"verify_{s}"] = seconds(lambda: spec_steps.verify(model, tokens, slots, n, temperature=0), 30, device)
     return costs
 
 
@@ -100,16 +102,13 @@ def main():
     model, draft = load_model(DEFAULT_CHECKPOINT, device, dtype), load_model(DRAFT, device, dtype)
     sets = prompt_sets(Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model"), args.prompts, args.prompt_tokens)
     rows = configs(draft, args.k_max, args.ngram)
-    if args.compile:
-        gen.decode_one_token = gen.compile_step(gen.decode_one_token)
-        speculative.draft_step = gen.compile_step(speculative.draft_step)
-        speculative.verify = gen.compile_step(speculative.verify)
+    steps, spec_steps = gen.build_steps(args.compile), speculative.build_steps(args.compile)
     length = args.prompt_tokens + args.new_tokens + args.k_max + 1
     for m in (model, draft):
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
     t0 = time.perf_counter()
     for kwargs in rows.values():  # warm-up, and compilation
-        decode_rate(model, sets["held-out code"][0], 16, kwargs)
+        decode_rate(model, sets["held-out code"][0], 16, kwargs, steps, spec_steps)
     compile_s = time.perf_counter() - t0
     # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
     rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
@@ -118,10 +117,10 @@ def main():
         for s, ps in sets.items():
             for i, prompt in enumerate(ps):
                 for label, kwargs in rows.items():
-                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs)
+                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs, steps, spec_steps)
                     rates[s][label][i].append(rate)
                     stats[s][label].append(st)
-    costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device)
+    costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device, steps, spec_steps)
     results = {"machine": machine(device), "dtype": args.dtype, "compile": args.compile, "compile_s": compile_s,
                "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                "repeats": args.repeats, "costs_ms": {k: 1e3 * v for k, v in costs.items()}, "sets": {}}

@@ -15,19 +15,16 @@ Example:
       --out_dir checkpoints/meta-llama/Llama-2-7b-hf/native --dtype bfloat16
 """
 import argparse
-import dataclasses
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 # Let `python scripts/convert_hf_checkpoint.py` find model.py from any working directory.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import checkpoint  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -141,28 +138,10 @@ def convert_weights(weights, args, dtype):
     return out
 
 
-def check_out_dir(out_dir, checkpoint_dir, tokenizer_path, force):
+def check_out_dir(out_dir, checkpoint_dir, tokenizer_path):
     # Writing into a directory we read from could replace a source file.
     if out_dir.resolve() in (checkpoint_dir.resolve(), tokenizer_path.parent.resolve()):
         raise ValueError(f"--out_dir {out_dir} must not be the source directory")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out_dir {out_dir} exists and is not a directory")
-    if (out_dir / "model.safetensors").exists() and not force:
-        raise ValueError(f"{out_dir} already holds a model.safetensors; pass --force to overwrite it")
-
-
-def write_atomically(path, write):
-    """Write to a temp file beside `path`, then rename it into place, so a crash mid-write
-    leaves either the old file or none, never half a file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates files owner-only; use the usual mode
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
@@ -183,16 +162,10 @@ def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
     # Validate everything before creating or touching anything in out_dir.
     args = read_model_args(checkpoint_dir)
     tokenizer_path = find_tokenizer(checkpoint_dir)
-    check_out_dir(out_dir, checkpoint_dir, tokenizer_path, force)
+    check_out_dir(out_dir, checkpoint_dir, tokenizer_path)
+    checkpoint.check_writable(out_dir, force)
     tensors = convert_weights(open_weights(checkpoint_dir), args, dtype)
-
-    # model.safetensors goes last: its presence marks a complete conversion.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config_text = json.dumps(dataclasses.asdict(args), indent=2) + "\n"
-    write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(config_text))
-    write_atomically(out_dir / "tokenizer.model", lambda tmp: shutil.copyfile(tokenizer_path, tmp))
-    write_atomically(out_dir / "model.safetensors",
-                     lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    checkpoint.save(out_dir, args, tensors, tokenizer_path, {"format": "pt"}, force=force)
 
     n_params = sum(t.numel() for t in tensors.values())
     dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}))
@@ -209,7 +182,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="cast all weights to this dtype (default: keep the source dtype)")
     parser.add_argument("--force", action="store_true",
-                        help="overwrite an existing native checkpoint in --out_dir")
+                        help="replace the checkpoint files already in --out_dir (other files there are kept)")
     parser.error = lambda msg: sys.exit(f"error: {msg}")  # one line, not argparse's usage block
     return parser.parse_args(argv)
 

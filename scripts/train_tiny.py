@@ -5,12 +5,12 @@ target and a draft Llama that share it, each written as a native checkpoint. Det
     python scripts/train_tiny.py --smoke --out_dir /tmp/tiny   # a few steps of a toy config, for tests
 """
 import argparse
-import dataclasses
 import io
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,10 +18,10 @@ import sentencepiece as spm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import checkpoint  # noqa: E402
 from eval import perplexity, stdlib_files  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -117,15 +117,12 @@ def train(name, args: ModelArgs, data, steps, peak_lr, seed, batch_size, seq_len
     return model.eval()
 
 
-def save_checkpoint(model: Transformer, tokenizer_path: Path, out: Path, info: dict):
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+def save_checkpoint(model: Transformer, tokenizer_path: Path, out: Path, info: dict, force: bool):
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:
         state.pop("output.weight")  # the same tensor as tok_embeddings.weight
-    save_file(state, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(model.args), indent=2) + "\n")
-    (out / "tokenizer.model").write_bytes(tokenizer_path.read_bytes())
-    (out / "train.json").write_text(json.dumps(info, indent=2) + "\n")
+    checkpoint.save(out, model.args, state, tokenizer_path, extra={"train.json": json.dumps(info, indent=2) + "\n"},
+                    force=force)
 
 
 def unigram_perplexity(train_ids: torch.Tensor, heldout_ids: torch.Tensor, vocab_size: int) -> float:
@@ -160,8 +157,7 @@ def main(argv=None):
     heldout_texts = [f.read_text(encoding="utf-8") for f in stdlib_files("heldout")]
     if args.smoke:
         train_texts, heldout_texts = train_texts[:40], heldout_texts[:4]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    tok_path = args.out_dir / "tokenizer.model"
+    tok_path = Path(tempfile.mkdtemp()) / "tokenizer.model"  # never in --out_dir: a file there may be the user's
     try:
         tokenizer = train_tokenizer(train_texts, args.vocab_size, tok_path)
     except RuntimeError as e:  # e.g. a vocabulary smaller than the corpus's distinct characters
@@ -173,7 +169,7 @@ def main(argv=None):
     unigram = unigram_perplexity(data, heldout, tokenizer.vocab_size)
     for name, (shape, steps, lr) in (SMOKE if args.smoke else CONFIGS).items():
         steps = args.steps or steps
-        margs = ModelArgs(vocab_size=tokenizer.vocab_size, max_seq_len=1024, tie_embeddings=True, **shape)
+        margs = ModelArgs(vocab_size=tokenizer.vocab_size, block_size=1024, tie_embeddings=True, **shape)
         t0 = time.perf_counter()
         model = train(name, margs, data, steps, lr, args.seed, args.batch_size, args.seq_len)
         train_s = time.perf_counter() - t0
@@ -183,8 +179,9 @@ def main(argv=None):
         info = dict(steps=steps, peak_lr=lr, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                     train_minutes=round(train_s / 60, 2), heldout_ppl_fp32=round(ppl, 4), heldout_tokens=n,
                     unigram_ppl=round(unigram, 2), train_tokens=len(data))
-        save_checkpoint(model, tok_path, args.out_dir / f"stdlib-{name}", info)
+        save_checkpoint(model, tok_path, args.out_dir / f"stdlib-{name}", info, args.force)
     tok_path.unlink()
+    tok_path.parent.rmdir()
     print(f"done in {(time.perf_counter() - t_start) / 60:.1f} min")
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eval import perplexity, stdlib_files
-from generate import generate, load_model
+from checkpoint import load_model
+from generate import generate
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def test_generate_works_out_of_the_box_with_the_builtin_model():
 def test_builtin_checkpoint_continues_a_function_with_an_indented_body(name):
     path = CHECKPOINTS[name]
     model, tokenizer = load_model(path, "cpu", torch.bfloat16), Tokenizer(path / "tokenizer.model")
-    rows, _ = generate(model, [tokenizer.encode("def fibonacci(n):\n")], 30, eos_id=tokenizer.eos_id, temperature=0.0)
+    rows = generate(model, [tokenizer.encode("def fibonacci(n):\n")], 30, eos_id=tokenizer.eos_id, temperature=0.0).rows
     assert tokenizer.decode(rows[0]).startswith("    ")
 
 

@@ -15,6 +15,12 @@ def run_cli(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+# one schema for plain and speculative decoding; speculation's figures are null without it
+METRICS = {"ttft_ms", "decode_tokens_per_sec", "tokens_per_sec", "prefill_tokens_per_sec", "bandwidth_gb_s",
+           "peak_memory_gb", "compile_s", "total_s", "samples", "target_forwards", "mean_accepted", "mean_drafted",
+           "acceptance_rate", "accept_histogram"}
+
+
 def metrics_of(checkpoint, tmp_path, *args):
     out = tmp_path / "metrics.json"
     result = run_cli("--checkpoint_path", checkpoint, "--metrics_json", out, *args)
@@ -27,8 +33,8 @@ def test_cli_generates_and_reports_speed_and_metrics_json(checkpoint, tmp_path):
                                  "--num_samples", 2, "--ignore_eos", "--temperature", 0)
     for label in ("Time to first token", "tokens/sec", "Bandwidth achieved", "peak memory"):
         assert label in result.stdout
-    assert set(metrics) == {"ttft_ms", "decode_tokens_per_sec", "tokens_per_sec", "prefill_tokens_per_sec",
-                            "bandwidth_gb_s", "peak_memory_gb", "compile_s", "total_s", "samples"}
+    assert set(metrics) == METRICS
+    assert metrics["target_forwards"] == 8 and metrics["accept_histogram"] is None  # prefill and 7 steps
     assert all(metrics[k] > 0 for k in ("ttft_ms", "decode_tokens_per_sec", "tokens_per_sec", "bandwidth_gb_s"))
     assert len(metrics["samples"]) == 2 and all(len(s["tokens"]) == 8 for s in metrics["samples"])
     assert metrics["samples"][0] == metrics["samples"][1]  # greedy

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import generate as gen
-from generate import generate, load_model, sample, weight_bytes
+from checkpoint import load_model
+from generate import generate, sample, weight_bytes
 from model import ModelArgs, Transformer
 
 
@@ -23,8 +24,8 @@ def test_load_model_materialises_every_weight_in_the_requested_dtype(checkpoint)
 
 
 def test_batch_of_different_length_prompts_equals_each_prompt_alone(model32):
-    batched, _ = generate(model32, PROMPTS, 24, temperature=0.0)
-    alone = [generate(model32, [p], 24, temperature=0.0)[0][0] for p in PROMPTS]
+    batched = generate(model32, PROMPTS, 24, temperature=0.0).rows
+    alone = [generate(model32, [p], 24, temperature=0.0).rows[0] for p in PROMPTS]
     assert batched == alone
 
 
@@ -40,22 +41,22 @@ def test_left_padded_rows_get_the_same_logits_as_alone(model32):
 
 
 def test_each_row_stops_at_its_own_eos(model32):
-    full, _ = generate(model32, PROMPTS, 30, temperature=0.0)
+    full = generate(model32, PROMPTS, 30, temperature=0.0).rows
     eos = full[0][5]  # a token that row 0 emits early
-    rows, stats = generate(model32, PROMPTS, 30, eos_id=eos, temperature=0.0)
+    rows = generate(model32, PROMPTS, 30, eos_id=eos, temperature=0.0).rows
     assert rows == [r[: r.index(eos)] if eos in r else r for r in full]
     assert len(rows[0]) == full[0].index(eos)
 
 
 def test_decoding_ends_early_once_every_row_has_stopped(model32):
-    full, _ = generate(model32, PROMPTS[:1], 40, temperature=0.0)
-    rows, stats = generate(model32, PROMPTS[:1], 40, eos_id=full[0][3], temperature=0.0)
-    assert stats["decode_steps"] < 39
+    full = generate(model32, PROMPTS[:1], 40, temperature=0.0).rows
+    result = generate(model32, PROMPTS[:1], 40, eos_id=full[0][3], temperature=0.0)
+    assert result.forwards < 39
 
 
 def test_prompt_plus_max_new_tokens_beyond_the_model_maximum_is_refused(model32):
     with pytest.raises(ValueError, match="exceeds the model's maximum"):
-        generate(model32, [[1] * 200], model32.args.max_seq_len - 199, temperature=0.0)
+        generate(model32, [[1] * 200], model32.args.block_size - 199, temperature=0.0)
 
 
 def test_temperature_zero_is_an_exact_argmax():
@@ -89,7 +90,7 @@ def test_top_p_keeps_the_smallest_set_that_reaches_p(top_p, kept):
 def test_same_seed_same_samples_other_seed_other_samples(model32):
     def run(seed):
         torch.manual_seed(seed)
-        return generate(model32, PROMPTS, 20, temperature=1.0, top_k=50)[0]
+        return generate(model32, PROMPTS, 20, temperature=1.0, top_k=50).rows
     assert run(1) == run(1)
     assert run(1) != run(2)
 
@@ -116,7 +117,7 @@ def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoi
     torch._dynamo.reset()
     model = load_model(checkpoint, "cpu", torch.bfloat16)
     prompt = torch.tensor([PROMPTS[1]])
-    tokens = generate(model, prompt.tolist(), 12, temperature=0.0)[0][0]
+    tokens = generate(model, prompt.tolist(), 12, temperature=0.0).rows[0]
     step = torch.no_grad()(lambda m, cur, pos: m(cur, pos)[:, -1])  # the model part of decode_one_token
     eager = decode_logits(step, model, prompt, tokens)
     compiled = decode_logits(torch.compile(step, mode="reduce-overhead", fullgraph=True), model, prompt, tokens)
@@ -125,17 +126,16 @@ def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoi
     assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
-def test_compiled_decoding_compiles_once_across_cache_length_buckets(monkeypatch):
+def test_compiled_decoding_compiles_once_across_cache_length_buckets():
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
-    model = Transformer(ModelArgs(vocab_size=320, n_layer=2, n_head=4, n_kv_head=2, dim=64, max_seq_len=1024)).eval()
+    model = Transformer(ModelArgs(vocab_size=320, n_layer=2, n_head=4, n_kv_head=2, dim=64, block_size=1024)).eval()
     prompt = torch.randint(3, 320, (1, 250)).tolist()
     model.setup_caches(1, 1024)
-    eager = generate(model, prompt, 300, temperature=0.0)[0]  # reads 256, then 512, then 1024 cache slots
+    eager = generate(model, prompt, 300, temperature=0.0).rows  # reads 256, then 512, then 1024 cache slots
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(gen, "decode_one_token", gen.compile_step(gen.decode_one_token))
-    assert generate(model, prompt, 300, temperature=0.0)[0] == eager
+    assert generate(model, prompt, 300, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -147,7 +147,7 @@ def test_streamed_text_equals_the_final_text_even_for_multibyte_characters(sp_mo
     assert any(tok.decode([t]) == "" or "\ufffd" in tok.decode([t]) for t in continuation)  # byte-fallback pieces
     stream = make_streamer(tok, prompt)
     for n in range(1, len(continuation) + 1):
-        stream(torch.tensor([continuation[:n]]))
+        stream(continuation[:n])
     final = tok.decode(prompt + continuation)[len(tok.decode(prompt)):]  # what generate.py prints without streaming
     assert "→ 世界 over" in final
     assert capsys.readouterr().out == final

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import convert, save_hf_llama
-from generate import generate, load_model
+from checkpoint import load_model
+from generate import generate
 from model import ModelArgs, Transformer, kv_bucket, transformer_configs
 
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -59,7 +60,7 @@ def test_greedy_continuation_is_identical_to_transformers(pair, tokens):
     prompt = tokens[:1, :20]
     hf.generation_config.eos_token_id = None  # compare full-length continuations
     expected = hf.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[0, 20:].tolist()
-    rows, _ = generate(ours, prompt.tolist(), 40, temperature=0.0)
+    rows = generate(ours, prompt.tolist(), 40, temperature=0.0).rows
     assert rows[0] == expected
 
 
@@ -107,7 +108,7 @@ def test_kv_bucket_covers_every_position_with_few_lengths_and_stays_within_the_c
 def test_setup_caches_beyond_the_model_maximum_is_refused(pair):
     _, ours = pair
     with pytest.raises(ValueError, match="max_seq_length"):
-        ours.setup_caches(1, ours.args.max_seq_len + 1)
+        ours.setup_caches(1, ours.args.block_size + 1)
 
 
 def test_from_hf_config_reads_transformers4_and_5_layouts_alike():

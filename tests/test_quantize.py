@@ -1,4 +1,5 @@
-"""quantize.py: the int8/int4 numbers, the kernels, GPTQ, and quantized checkpoints from the CLI to load_model."""
+"""quantize.py and scripts/quantize_checkpoint.py: the int8/int4 numbers, the kernels, GPTQ, and quantized
+checkpoints from the command line to load_model."""
 import json
 import shutil
 import subprocess
@@ -10,9 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from generate import load_model
+from checkpoint import load_model
 from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, gptq_int4,
-                      pack_nibbles, quantize_checkpoint, quantize_int4, quantize_int8, unpack_nibbles)
+                      pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles)
+from quantize_checkpoint import quantize_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -206,7 +208,7 @@ def test_generate_cli_runs_a_quantized_checkpoint_compiled(quantized, mode, tmp_
 def test_quantize_cli_writes_a_checkpoint_generate_can_run(checkpoint, tmp_path):
     calib = tmp_path / "calib.txt"
     calib.write_text("for i in range(10):\n    print(i)\n" * 200)
-    result = run("quantize.py", "--checkpoint_path", checkpoint, "--mode", "int4-gptq", "--groupsize", 64,
+    result = run("scripts/quantize_checkpoint.py", "--checkpoint_path", checkpoint, "--mode", "int4-gptq", "--groupsize", 64,
                  "--calibration_file", calib, "--calibration_samples", 4, "--calibration_seq_len", 64,
                  "--out_dir", tmp_path / "out")
     assert result.returncode == 0, result.stderr
@@ -225,26 +227,26 @@ def error_of(result):
 
 
 def test_unsupported_group_size_is_rejected(checkpoint, tmp_path):
-    assert "group size 48" in error_of(run("quantize.py", "--checkpoint_path", checkpoint, "--mode", "int4",
+    assert "group size 48" in error_of(run("scripts/quantize_checkpoint.py", "--checkpoint_path", checkpoint, "--mode", "int4",
                                            "--groupsize", 48, "--out_dir", tmp_path / "q"))
 
 
 def test_quantizing_a_quantized_checkpoint_is_rejected(quantized, tmp_path):
-    assert "already quantized" in error_of(run("quantize.py", "--checkpoint_path", quantized["int8"],
+    assert "already quantized" in error_of(run("scripts/quantize_checkpoint.py", "--checkpoint_path", quantized["int8"],
                                                "--mode", "int4", "--out_dir", tmp_path / "q"))
 
 
 def test_missing_calibration_file_is_rejected(checkpoint, tmp_path):
-    assert "not found" in error_of(run("quantize.py", "--checkpoint_path", checkpoint, "--mode", "int4-gptq",
+    assert "not found" in error_of(run("scripts/quantize_checkpoint.py", "--checkpoint_path", checkpoint, "--mode", "int4-gptq",
                                        "--calibration_file", tmp_path / "nope.txt", "--out_dir", tmp_path / "q"))
 
 
 def test_quantize_never_overwrites_its_input_or_an_existing_output(checkpoint, quantized, tmp_path):
     before = (checkpoint / "model.safetensors").read_bytes()
-    assert "is the input" in error_of(run("quantize.py", "--checkpoint_path", checkpoint, "--mode", "int8",
+    assert "is the input" in error_of(run("scripts/quantize_checkpoint.py", "--checkpoint_path", checkpoint, "--mode", "int8",
                                           "--out_dir", checkpoint))
     assert (checkpoint / "model.safetensors").read_bytes() == before
-    assert "already exists" in error_of(run("quantize.py", "--checkpoint_path", checkpoint, "--mode", "int8",
+    assert "already exists" in error_of(run("scripts/quantize_checkpoint.py", "--checkpoint_path", checkpoint, "--mode", "int8",
                                             "--out_dir", quantized["int4"]))
 
 

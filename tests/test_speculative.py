@@ -9,7 +9,8 @@ import torch
 
 import speculative
 from conftest import convert, save_hf_llama
-from generate import generate, load_model, logits_to_probs
+from checkpoint import load_model
+from generate import generate, logits_to_probs
 from model import ModelArgs, Transformer
 from speculative import accept, prompt_lookup, speculative_generate
 
@@ -80,30 +81,29 @@ def pair(tmp_path_factory, sp_model_path, checkpoint):
 
 
 def greedy(model, prompt, n):
-    return generate(model, [prompt], n, temperature=0)[0][0]
+    return generate(model, [prompt], n, temperature=0).rows[0]
 
 
 @pytest.mark.parametrize("k, adaptive", [(1, False), (3, False), (5, False), (5, True)])
 def test_greedy_speculation_with_a_draft_is_identical_to_plain_greedy(pair, k, adaptive):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
     prompt = [1, 17, 42, 99, 7]
-    out, stats = speculative_generate(target, prompt, 40, k, draft=draft, adaptive=adaptive, temperature=0)
-    assert out == greedy(target, prompt, 40)
-    assert sum(stats["accept_histogram"]) == stats["target_forwards"] - 1
+    result = speculative_generate(target, prompt, 40, k, draft=draft, adaptive=adaptive, temperature=0)
+    assert result.rows[0] == greedy(target, prompt, 40)
+    assert sum(result.accept_histogram) == result.forwards
 
 
 def test_a_draft_equal_to_the_target_is_always_accepted(pair):
     target, same = load_model(pair[0], "cpu", torch.float32), load_model(pair[0], "cpu", torch.float32)
-    out, stats = speculative_generate(target, [1, 5, 9], 25, 4, draft=same, temperature=0)
-    assert stats["acceptance_rate"] == 1.0 and stats["accept_histogram"][:4] == [0, 0, 0, 0]
-    assert out == greedy(target, [1, 5, 9], 25)
+    result = speculative_generate(target, [1, 5, 9], 25, 4, draft=same, temperature=0)
+    assert result.metrics(0)["acceptance_rate"] == 1.0 and result.accept_histogram[:4] == [0, 0, 0, 0]
+    assert result.rows[0] == greedy(target, [1, 5, 9], 25)
 
 
 def test_greedy_prompt_lookup_is_identical_to_plain_greedy(pair):
     target = load_model(pair[0], "cpu", torch.float32)
     prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21]
-    out, stats = speculative_generate(target, prompt, 30, 4, ngram=2, temperature=0)
-    assert out == greedy(target, prompt, 30)
+    assert speculative_generate(target, prompt, 30, 4, ngram=2, temperature=0).rows[0] == greedy(target, prompt, 30)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9),
@@ -111,7 +111,7 @@ def test_greedy_prompt_lookup_is_identical_to_plain_greedy(pair):
 def test_sampled_speculation_has_the_target_distribution(sampling):
     """Two sampled tokens after a fixed prompt, 3000 times, against the exact joint distribution of the target."""
     torch.manual_seed(0)
-    args = dict(vocab_size=8, n_layer=1, n_head=2, dim=16, intermediate_size=32, max_seq_len=32)
+    args = dict(vocab_size=8, n_layer=1, n_head=2, dim=16, intermediate_size=32, block_size=32)
     target, draft = Transformer(ModelArgs(**args)).eval(), Transformer(ModelArgs(**args)).eval()
     for m in (target, draft):
         for p in m.parameters():
@@ -124,40 +124,42 @@ def test_sampled_speculation_has_the_target_distribution(sampling):
     joint = (first[:, None] * seconds).flatten()  # [V * V]
     counts = torch.zeros(64)
     for _ in range(3000):
-        out, _ = speculative_generate(target, prompt, 2, 2, draft=draft, **sampling)
+        out = speculative_generate(target, prompt, 2, 2, draft=draft, **sampling).rows[0]
         counts[out[0] * 8 + out[1]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_compiled_speculation_does_not_recompile_between_steps(pair, monkeypatch, adaptive):
+def test_compiled_speculation_does_not_recompile_between_steps(pair, adaptive):
     from torch._dynamo.utils import counters
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
-    monkeypatch.setattr(speculative, "draft_step", torch.compile(speculative.draft_step, fullgraph=True))
-    monkeypatch.setattr(speculative, "verify", torch.compile(speculative.verify, fullgraph=True, dynamic=True))
+    steps = speculative.Steps(draft=torch.compile(speculative.draft_step, fullgraph=True),
+                              verify=torch.compile(speculative.verify, fullgraph=True, dynamic=True))
     torch._dynamo.reset()
     counters.clear()  # other tests compile too
     expected = greedy(target, [1, 2, 3], 30)
-    out, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive, temperature=0)
+    run = lambda: speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive, steps=steps,  # noqa: E731
+                                       temperature=0).rows[0]
+    out = run()
     frames = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        out2, _ = speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive, temperature=0)
+        out2 = run()
     assert counters["stats"]["unique_graphs"] == frames == 2  # one draft step, one verify for every length
     assert out == out2 == expected
 
 
 def test_quantized_target_and_draft_keep_greedy_output(pair, tmp_path):
-    from quantize import quantize_checkpoint
+    from quantize_checkpoint import quantize_checkpoint
     target = load_model(quantize_checkpoint(pair[0], "int8", out_dir=tmp_path / "t"), "cpu", torch.bfloat16)
     draft = load_model(quantize_checkpoint(pair[1], "int4", 32, out_dir=tmp_path / "d"), "cpu", torch.bfloat16)
-    out, _ = speculative_generate(target, [1, 8, 30], 20, 3, draft=draft, temperature=0)
+    out = speculative_generate(target, [1, 8, 30], 20, 3, draft=draft, temperature=0).rows[0]
     assert out == greedy(target, [1, 8, 30], 20)
 
 
 # ---- the command line --------------------------------------------------------------------------------------------
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, str(ROOT / "speculative.py"), *map(str, args)], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
 
 
@@ -168,7 +170,8 @@ def test_cli_reports_acceptance_statistics(pair, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "acceptance rate" in result.stdout
     metrics = json.loads(out.read_text())
-    assert {"mean_accepted", "mean_drafted", "acceptance_rate", "accept_histogram"} <= set(metrics)
+    from test_cli import METRICS
+    assert set(metrics) == METRICS  # the schema of plain decoding
     assert len(metrics["accept_histogram"]) == 4 and len(metrics["samples"][0]["tokens"]) == 12
 
 
@@ -178,6 +181,15 @@ def test_cli_fixed_k_drafts_k_tokens_every_round(pair, tmp_path):
                      "--fixed_k", "--max_new_tokens", 12, "--temperature", 0, "--ignore_eos", "--metrics_json", out)
     assert result.returncode == 0, result.stderr
     assert json.loads(out.read_text())["mean_drafted"] == 3
+
+
+def test_compile_prefill_compiles_speculative_decodings_prefill_too(pair):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    speculative.main(["--checkpoint_path", str(pair[0]), "--prompt_lookup", "2", "--max_new_tokens", "4",
+                      "--temperature", "0", "--compile_prefill", "--dtype", "float32"])
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["stats"]["calls_captured"] > 0
 
 
 def one_line_error(result):

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 import tp
 from conftest import convert, save_hf_llama
-from generate import generate, load_args, load_model
+from checkpoint import load_model, read_config, read_weights
+from generate import generate
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 17, 42, 99, 7, 120, 5]
@@ -37,7 +38,7 @@ def ckpt(tmp_path_factory, sp_model_path):
 def variant(request, ckpt, tmp_path_factory):
     if request.param == "float32":
         return ckpt
-    from quantize import quantize_checkpoint
+    from quantize_checkpoint import quantize_checkpoint
     return quantize_checkpoint(ckpt, request.param, 32, out_dir=tmp_path_factory.mktemp("q") / request.param)
 
 
@@ -49,12 +50,11 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path):
     with torch.no_grad():
         expected = single(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
     torch.testing.assert_close(load_file(tmp_path / "logits.safetensors")["logits"], expected, rtol=1e-5, atol=1e-5)
-    assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0)[0][0]
+    assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0).rows[0]
 
 
 def test_shards_of_all_ranks_reassemble_the_checkpoint(ckpt):
-    from generate import read_weights
-    state, args = read_weights(ckpt / "model.safetensors", "cpu", torch.float32), load_args(ckpt)
+    state, args = read_weights(ckpt / "model.safetensors", "cpu", torch.float32), read_config(ckpt)
     shards = [tp.shard_state(state, args, r, 2, "cpu") for r in range(2)]
     qkv = [args.n_head * args.head_dim, args.n_kv_head * args.head_dim, args.n_kv_head * args.head_dim]
     wqkv = [s["layers.0.attention.wqkv.weight"].split([n // 2 for n in qkv]) for s in shards]
@@ -69,9 +69,9 @@ def test_shards_of_all_ranks_reassemble_the_checkpoint(ckpt):
 
 def test_a_model_that_does_not_split_evenly_is_refused(ckpt):
     with pytest.raises(ValueError, match="n_head 4 is not divisible by the world size 3"):
-        tp.local_args(load_args(ckpt), 3)
+        tp.local_args(read_config(ckpt), 3)
     with pytest.raises(ValueError, match="int4 group size 128"):  # each rank's w2 would hold 64 of a group's 128
-        tp.local_args(load_args(ckpt), 2, groupsize=128)
+        tp.local_args(read_config(ckpt), 2, groupsize=128)
 
 
 # ---- under torchrun, from the command line ------------------------------------------------------------------------
@@ -79,12 +79,12 @@ def test_a_model_that_does_not_split_evenly_is_refused(ckpt):
 def single_greedy(ckpt, n: int) -> list[int]:  # what one process generates from the default prompt
     from tokenizer import Tokenizer
     prompt = Tokenizer(ckpt / "tokenizer.model").encode("def fibonacci(n):", bos=True)
-    return generate(load_model(ckpt, "cpu", torch.float32), [prompt], n, temperature=0)[0][0]
+    return generate(load_model(ckpt, "cpu", torch.float32), [prompt], n, temperature=0).rows[0]
 
 
 def test_cli_compiled_two_ranks_match_one_process_and_only_rank_0_prints(ckpt, tmp_path):
     out = tmp_path / "m.json"
-    result = torchrun(2, "generate.py", "--checkpoint_path", ckpt, "--temperature", 0, "--max_new_tokens", 12,
+    result = torchrun(2, "tp.py", "--checkpoint_path", ckpt, "--temperature", 0, "--max_new_tokens", 12,
                       "--ignore_eos", "--dtype", "float32", "--compile", "--metrics_json", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("Sample 1/1") == 1 and "GB per rank" in result.stdout
@@ -98,7 +98,7 @@ def test_cli_speculative_decoding_with_a_replicated_draft(ckpt, tmp_path, sp_mod
     save_hf_llama(hf, sp_model_path, seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
     draft = convert(hf, tmp_path / "draft")
     out = tmp_path / "m.json"
-    result = torchrun(2, "generate.py", "--checkpoint_path", ckpt, "--draft_checkpoint_path", draft,
+    result = torchrun(2, "tp.py", "--checkpoint_path", ckpt, "--draft_checkpoint_path", draft,
                       "--temperature", 0, "--max_new_tokens", 16, "--ignore_eos", "--dtype", "float32",
                       "--metrics_json", out)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -106,7 +106,7 @@ def test_cli_speculative_decoding_with_a_replicated_draft(ckpt, tmp_path, sp_mod
 
 
 def test_cli_every_rank_reports_a_world_size_that_does_not_divide_the_heads(ckpt):
-    result = torchrun(3, "generate.py", "--checkpoint_path", ckpt, timeout=120)
+    result = torchrun(3, "tp.py", "--checkpoint_path", ckpt, timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("error: n_head 4 is not divisible by the world size 3") == 3
 
@@ -117,7 +117,7 @@ def test_when_a_rank_dies_the_other_exits_with_one_line(ckpt):
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "generate.py", "--checkpoint_path", str(ckpt), "--max_new_tokens", "200", "--ignore_eos",
+    cmd = [sys.executable, "tp.py", "--checkpoint_path", str(ckpt), "--max_new_tokens", "200", "--ignore_eos",
            "--num_samples", "1000"]
     ranks = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,

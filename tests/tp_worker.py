@@ -9,16 +9,16 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tp  # noqa: E402
-from generate import generate, load_model  # noqa: E402
+from generate import generate  # noqa: E402
 
 ckpt, out = Path(sys.argv[1]), Path(sys.argv[2])
 rank, world, device = tp.init_distributed(torch.device("cpu"))
-model = load_model(ckpt, device, torch.float32, shard=(rank, world))
+model = tp.load_sharded(ckpt, rank, world, device, torch.float32)
 prompt = [1, 17, 42, 99, 7, 120, 5]
 model.setup_caches(1, 64)
 with torch.no_grad():
     logits = model(torch.tensor([prompt]), torch.arange(len(prompt)))[0]  # [S, V]
-tokens = generate(model, [prompt], 20, temperature=0)[0][0]
+tokens = generate(model, [prompt], 20, temperature=0).rows[0]
 if rank == 0:
     save_file({"logits": logits.contiguous()}, out / "logits.safetensors")
     (out / "tokens.json").write_text(json.dumps(tokens))

@@ -1,0 +1,44 @@
+"""The files form one layered graph, read from their imports (nested ones too): no cycles, model.py needs only
+torch and the standard library, and the kernel and quantization files are leaves any loader may call."""
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in ROOT.glob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """The top-level names of everything the file imports, anywhere in it."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+GRAPH = {name: imports(path) & MODULES.keys() for name, path in MODULES.items()}
+
+
+def test_the_project_imports_form_no_cycle():
+    def visit(name, path):
+        assert name not in path, f"import cycle: {' -> '.join(path + [name])}"
+        for dep in GRAPH[name]:
+            visit(dep, path + [name])
+    for name in GRAPH:
+        visit(name, [])
+
+
+def test_model_py_imports_only_torch_and_the_standard_library():
+    assert imports(MODULES["model"]) - set(sys.stdlib_module_names) == {"torch"}
+
+
+def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_points():
+    assert GRAPH["quantize"] <= {"model"} and GRAPH["cpu_gemv"] == set() and GRAPH["tokenizer"] == set()
+    assert GRAPH["checkpoint"] <= {"model", "quantize", "cpu_gemv"}
+    assert GRAPH["generate"] <= {"model", "checkpoint", "tokenizer", "cpu_gemv"}
+    for entry in ("speculative", "eval"):
+        assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval"} - {entry}
+    assert {"speculative", "generate", "checkpoint"} <= GRAPH["tp"]
