@@ -1,13 +1,13 @@
 """Matrix-vector products for decoding on CPUs: y = x @ w.T for x [M, K] of a few rows, with w in bf16, int8 (a
 scale per row) or int4 (a scale and zero per group), all as this project stores them, for the instruction set the
-CPU has: AVX2+FMA, AVX-512 (with the BF16 dot product and VNNI where present), or AArch64 NEON (with dotprod).
+CPU has: AVX2+FMA, or AVX-512 (with the BF16 dot product and VNNI where present).
 
 Batch-1 decode is one pass over every weight, so it runs at memory speed only if the multiply keeps up with memory.
 torch's CPU kernels do not on AVX2 (no bf16 or int8 dot-product instructions): its bf16 GEMV does about 5 G
 weights/s per core even from cache, so two cores read about 19 GB/s where the memory gives ~30. Here: bf16 is
 widened to fp32 with one integer unpack (bf16 is the top half of an fp32), or multiplied in pairs by
 _mm512_dpbf16_ps; int8 is sign-extended and converted; int4 is never widened: x is rounded to int8 per group and
-maddubs / dpbusd / sdot multiply 4-bit weights by 8-bit activations. Rows are read front to back, which the
+maddubs or dpbusd multiply 4-bit weights by 8-bit activations. Rows are read front to back, which the
 hardware prefetcher follows.
 
 The C++ below is compiled once with g++ for the CPU's instruction set into ~/.cache/fast-decode and called through
@@ -194,8 +194,121 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int
 }
 """
 
-AVX512 = None  # filled in below once written
-NEON = None
+AVX512 = r"""
+#include <immintrin.h>
+
+// bf16. With AVX512-BF16, dpbf16 multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes: x stays bf16
+// and the weights are never widened. Without it, a bf16 widened by a 16-bit shift is its fp32 value.
+#ifdef __AVX512BF16__
+typedef uint16_t xbf16;
+static inline __m512 dp(__m512 a, __m512i w, __m512i x) { return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)x); }
+
+static inline uint16_t dot(const uint16_t* x, const uint16_t* w, int64_t K) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128)  // 4 chains in flight, the row read front to back
+        for (int c = 0; c < 4; c++)
+            a[c] = dp(a[c], _mm512_loadu_si512(w + k + 32 * c), _mm512_loadu_si512(x + k + 32 * c));
+    for (; k < K; k += 32) {  // K is a multiple of 16: the last step may be half a vector, masked to zeros
+        __mmask32 m = K - k >= 32 ? 0xffffffffu : 0xffffu;
+        a[0] = dp(a[0], _mm512_maskz_loadu_epi16(m, w + k), _mm512_maskz_loadu_epi16(m, x + k));
+    }
+    return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))));
+}
+#else
+typedef float xbf16;
+static inline __m512 widen(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+static inline uint16_t dot(const float* x, const uint16_t* w, int64_t K) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+        for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(widen(w + k + 16 * c), _mm512_loadu_ps(x + k + 16 * c), a[c]);
+    for (; k < K; k += 16) a[0] = _mm512_fmadd_ps(widen(w + k), _mm512_loadu_ps(x + k), a[0]);
+    return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))));
+}
+#endif
+
+// y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
+extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+    std::vector<xbf16> xs(M * K);
+    for (int64_t i = 0; i < M * K; i++) xs[i] = sizeof(xbf16) == 2 ? x[i] : from_bf16(x[i]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(&xs[m * K], w + n * K, K);
+}
+
+// int8: sign-extended and converted 16 at a time; K a multiple of 8, the last 8 masked
+static inline float dot_i8(const float* x, const int8_t* w, int64_t K) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64)
+        for (int c = 0; c < 4; c++) {
+            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16 * c))));
+            a[c] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + k + 16 * c), a[c]);
+        }
+    for (; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? 0xffff : 0xff;
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w + k)));
+        a[0] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(m, x + k), a[0]);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 8
+extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, uint16_t* y,
+                          int64_t M, int64_t N, int64_t K) {
+    std::vector<float> xs(M * K);
+    for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = to_bf16(dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]));
+}
+
+// int4 (see prepare): 256-bit vectors, which measured faster here than 512-bit ones (a group of 64 to 256 weights is
+// only 32 to 128 bytes, so wider vectors leave more work per group). With VNNI one dpbusd multiplies 32 unsigned
+// nibbles by 32 signed xq and adds them in fours into int32 lanes; without, maddubs adds pairs into 16-bit lanes
+// (at most 4 x 2 x 2 x 15 x 127 < 2^15 per group) and one madd per group widens them.
+static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                           int64_t K, int64_t G) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    __m256 total = _mm256_setzero_ps();
+    float rest = 0.f;
+    for (int64_t g = 0; g < K / G; g++) {
+        __m256i acc = _mm256_setzero_si256();
+        for (int64_t k = g * G / 2; k < (g + 1) * G / 2; k += 32) {  // k: bytes, 64 weights per step
+            __m256i v = _mm256_loadu_si256((const __m256i*)(w + k));
+            __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            __m256i xe = _mm256_loadu_si256((const __m256i*)&p.even[k]), xo = _mm256_loadu_si256((const __m256i*)&p.odd[k]);
+#ifdef __AVX512VNNI__
+            acc = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, xe), hi, xo);
+#else
+            acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
+#endif
+        }
+#ifndef __AVX512VNNI__
+        acc = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+        float sg = from_bf16(scales[g]);
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sg * p.d[g]), total);
+        rest += from_bf16(zeros[g]) * p.sum[g] - 8.f * sg * p.c[g];
+    }
+    return _mm512_reduce_add_ps(_mm512_zextps256_ps512(total)) + rest;
+}
+
+// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
+extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                          uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    std::vector<XQ> xq(M);
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, xq[m]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = to_bf16(dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G));
+}
+"""
 MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
 
@@ -203,30 +316,32 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast
 # ---- which kernels this CPU can run ------------------------------------------------------------------------------
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux names them (x86 'flags', Arm 'Features'); Apple's Arm chips all have
-    NEON and dotprod."""
-    if sys.platform == "darwin" and platform.machine() == "arm64":
-        return {"asimd", "asimddp"}
+    """The CPU's feature flags as Linux names them. torch's ATEN_CPU_CAPABILITY=avx2 (or default) hides the newer
+    ones here too, so that one setting runs an AVX-512 machine as an AVX2 one."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return set()
-    return next((set(l.split(":", 1)[1].split()) for l in lines if l.split(":")[0].strip() in ("flags", "Features")),
-                set())
+    flags = next((set(l.split(":", 1)[1].split()) for l in lines if l.split(":")[0].strip() in ("flags", "Features")),
+                 set())
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if capability in ("avx2", "default"):
+        flags = {f for f in flags if not f.startswith("avx512")} - ({"avx2"} if capability == "default" else set())
+    return flags
 
 
 def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
     """(name, source, compiler flags) of every kernel set this CPU runs, the fastest first."""
     out = []
     if AVX512 and {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
-        extra = [(f, "-m" + f.replace("_", "")) for f in ("avx512_bf16", "avx512_vnni") if f in flags]
-        out.append(("avx512" + "".join("+" + f[7:] for f, _ in extra), AVX512,
-                    ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", *(o for _, o in extra)]))
+        base = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+        extra = [f for f in ("avx512_bf16", "avx512_vnni") if f in flags]
+        if extra:  # the plain AVX-512 set too, second: a test can run both
+            out.append(("avx512+" + "+".join(f[7:] for f in extra), AVX512,
+                        base + ["-m" + f.replace("_", "") for f in extra]))
+        out.append(("avx512", AVX512, base))
     if {"avx2", "fma"} <= flags:
         out.append(("avx2", AVX2, ["-mavx2", "-mfma"]))
-    if NEON and "asimd" in flags and platform.machine() in ("aarch64", "arm64"):
-        dot = "asimddp" in flags
-        out.append(("neon+dotprod" if dot else "neon", NEON, ["-march=armv8.2-a+dotprod" if dot else "-march=armv8-a"]))
     return out
 
 
@@ -259,11 +374,11 @@ def load(name: Optional[str] = None) -> Optional[str]:
     saying why torch's kernels stay."""
     global _lib, kernels, _why_not
     available = targets(cpu_flags())
-    chosen = [t for t in available if name is None or t[0].split("+")[0] == name.split("+")[0]][:1]
+    chosen = [t for t in available if name is None or t[0] == name][:1]
     try:
         if not chosen:
             raise RuntimeError(f"no kernels for this CPU ({platform.machine()}: "
-                               f"{'no ' + name if name else 'neither AVX2+FMA, AVX-512 nor NEON'})")
+                               f"{'no ' + name if name else 'there are kernels for x86 AVX2+FMA and AVX-512 only'})")
         _lib, kernels = build(*chosen[0][1:]), chosen[0][0]
         return kernels
     except FileNotFoundError:
@@ -453,7 +568,8 @@ def replacement(m: nn.Module, dtype: torch.dtype) -> Optional[nn.Module]:
 def install(model: nn.Module, name: Optional[str] = None) -> str:
     """Replace the model's CPU linear layers, in place, by ones that run few-row products on this CPU's kernels
     (or the named set) and prefill in the dtype measured faster here. Returns what was chosen, in words."""
-    load(name)
+    if name or (_lib is None and _why_not is None):  # once a process, unless a set is named
+        load(name)
     shapes = [(m.out_features, m.in_features) for m in model.modules() if hasattr(m, "out_features")]
     dtype = prefill_dtype(*max(shapes, key=lambda s: s[0] * s[1])) if shapes else torch.bfloat16
     for parent in list(model.modules()):
