@@ -131,15 +131,6 @@ static inline float dot_i8(const float* x, const int8_t* w, int64_t K) {
     return hsum(a[0]);
 }
 
-// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 8
-extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, uint16_t* y,
-                          int64_t M, int64_t N, int64_t K) {
-    std::vector<float> xs(M * K);
-    for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = to_bf16(dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]));
-}
 
 // int4 weights, w = (q - 8) * scale + zero per group of G (a multiple of 64) along K, two q per byte (low nibble
 // first). x is quantized to int8 per group (x ~ d * xq), so that _mm256_maddubs_epi16 multiplies 32 q by 32 xq and
@@ -167,16 +158,6 @@ static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales
     return hsum(total) + rest;
 }
 
-// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
-extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                          uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    std::vector<XQ> xq(M);
-    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, xq[m]);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = to_bf16(dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G));
-}
 
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
 extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K) {
@@ -191,6 +172,30 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
         for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(&xs[m * K], w + n * K, K);
+}
+"""
+
+DRIVERS = r"""
+// the int8 and int4 products over all rows, around each instruction set's dot_i8 and dot_i4
+// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 8
+extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, uint16_t* y,
+                          int64_t M, int64_t N, int64_t K) {
+    std::vector<float> xs(M * K);
+    for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = to_bf16(dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]));
+}
+
+// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
+extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                          uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t G) {
+    std::vector<XQ> xq(M);
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, xq[m]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = to_bf16(dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G));
 }
 """
 
@@ -257,15 +262,6 @@ static inline float dot_i8(const float* x, const int8_t* w, int64_t K) {
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 
-// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 8
-extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, uint16_t* y,
-                          int64_t M, int64_t N, int64_t K) {
-    std::vector<float> xs(M * K);
-    for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = to_bf16(dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]));
-}
 
 // int4 (see prepare): 256-bit vectors, which measured faster here than 512-bit ones (a group of 64 to 256 weights is
 // only 32 to 128 bytes, so wider vectors leave more work per group). With VNNI one dpbusd multiplies 32 unsigned
@@ -298,16 +294,6 @@ static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales
     return _mm512_reduce_add_ps(_mm512_zextps256_ps512(total)) + rest;
 }
 
-// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
-extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                          uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t G) {
-    std::vector<XQ> xq(M);
-    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, xq[m]);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = to_bf16(dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G));
-}
 """
 MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
@@ -348,12 +334,13 @@ def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
 def build(source: str, flags: list[str]) -> ctypes.CDLL:
     """The compiled kernels, from the cache when this source was built with these flags before."""
     flags = ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"]
-    lib = CACHE / f"gemv-{hashlib.sha256((PRELUDE + source + ' '.join(flags)).encode()).hexdigest()[:16]}.so"
+    source = PRELUDE + source + DRIVERS
+    lib = CACHE / f"gemv-{hashlib.sha256((source + ' '.join(flags)).encode()).hexdigest()[:16]}.so"
     if not lib.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # build aside, then rename: readers never see half a file
             src = Path(tmp) / "gemv.cpp"
-            src.write_text(PRELUDE + source)
+            src.write_text(source)
             subprocess.run([os.environ.get("CXX", "g++"), *flags, str(src), "-o", str(Path(tmp) / "lib.so")],
                            check=True, capture_output=True, text=True)
             os.replace(Path(tmp) / "lib.so", lib)
