@@ -9,6 +9,7 @@ on less. save pads the safetensors header so that the data starts on one, and pu
 multiples of 64 bytes first; any tensor still misaligned, here or in a file another tool wrote, is copied."""
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -18,7 +19,9 @@ from safetensors import safe_open
 
 import cpu_gemv
 import quantize
+from cli import available_memory, write_file
 from model import ModelArgs, Transformer
+from tokenizer import Tokenizer
 
 ALIGN = 64
 TOKENIZER = "tokenizer.model"
@@ -37,6 +40,11 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
     ckpt_dir = path if path.is_dir() else path.parent
     if path.is_dir() and not any(path.iterdir()):
         raise ValueError(f"checkpoint directory is empty: {path}")
+    if is_hf_checkpoint(ckpt_dir):
+        convert = Path(__file__).resolve().parent / "scripts" / "convert_hf_checkpoint.py"
+        script = os.path.relpath(convert) if not os.path.relpath(convert).startswith("..") else convert
+        raise ValueError(f"{ckpt_dir} is a Hugging Face checkpoint; convert it first: python {script} "
+                         f"--checkpoint_dir {ckpt_dir} --out_dir {ckpt_dir}-native")
     weights = path if path.is_file() else next((ckpt_dir / n for n in ("model.safetensors", "model.pth")
                                                 if (ckpt_dir / n).is_file()), None)
     if weights is None or weights.suffix not in (".safetensors", ".pth"):
@@ -46,14 +54,59 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
     return ckpt_dir, weights
 
 
-def read_config(ckpt_dir: Path) -> ModelArgs:
+def is_hf_checkpoint(ckpt_dir: Path) -> bool:
+    """A Hugging Face model folder: its config.json names the architecture (ours holds ModelArgs' fields only)."""
     try:
         cfg = json.loads((ckpt_dir / "config.json").read_text())
-        if isinstance(cfg, dict) and "max_seq_len" in cfg:  # the name of block_size in older checkpoints
-            cfg["block_size"] = cfg.pop("max_seq_len")
+        return isinstance(cfg, dict) and ("model_type" in cfg or "architectures" in cfg)
+    except (OSError, ValueError):
+        return False
+
+
+def check_config(cfg, where: str) -> ModelArgs:
+    """ModelArgs from a config dict, every field checked for type and range first: a string where a number
+    belongs, or a zero, would otherwise fail deep in the model or, worse, run and produce garbage."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where} does not hold a JSON object of model fields")
+    if "max_seq_len" in cfg:  # the name of block_size in older checkpoints
+        cfg = {**cfg, "block_size": cfg["max_seq_len"]}
+        del cfg["max_seq_len"]
+    fields = {f.name: f.type for f in dataclasses.fields(ModelArgs)}
+    for key, value in cfg.items():
+        kind = fields.get(key)
+        problem = None
+        if kind is None:
+            problem = f"is not a model field (known: {', '.join(fields)})"
+        elif kind is int and type(value) is not int:
+            problem = f"must be a whole number, got {value!r}"
+        elif kind is float and (type(value) not in (int, float) or not math.isfinite(value)):
+            problem = f"must be a finite number, got {value!r}"
+        elif kind is bool and type(value) is not bool:
+            problem = f"must be true or false, got {value!r}"
+        elif key == "rope_scaling" and value is not None and not (isinstance(value, dict) and all(
+                type(value.get(k)) in (int, float) and math.isfinite(value[k]) and value[k] > 0 for k in
+                ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"))):
+            problem = ("must be null or an object of positive numbers factor, low_freq_factor, high_freq_factor "
+                       "and original_max_position_embeddings")
+        elif key == "rope_base" and value <= 0 or key == "norm_eps" and not 0 < value < 1:
+            problem = f"is out of range: {value!r}"
+        elif kind is int and value < 1 and key not in ("n_kv_head", "head_dim", "intermediate_size"):
+            problem = f"must be at least 1, got {value}"
+        if problem:
+            raise ValueError(f"{where}: {key} {problem}; fix that field")
+    try:
         return ModelArgs(**cfg)
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{ckpt_dir / 'config.json'} is not a model config: {str(e).splitlines()[0]}") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def read_config(ckpt_dir: Path) -> ModelArgs:
+    path = ckpt_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a model config: {str(e).splitlines()[0]}") from None
+    return check_config(cfg, str(path))
 
 
 def read_quantization(weights: Path) -> Optional[tuple[str, int]]:
@@ -113,14 +166,91 @@ def check_state(state: dict, args: ModelArgs, quantization, what: str):
                              f"they need {str(want.dtype)[6:]} {tuple(want.shape)}")
 
 
+def tensor_sizes(weights: Path) -> dict[str, tuple[bool, int, int]]:
+    """name -> (floating point, elements, bytes per element), from the file's header alone: nothing is read."""
+    try:
+        if weights.suffix == ".pth":
+            state = torch.load(weights, mmap=True, weights_only=True)
+            return {k: (t.is_floating_point(), t.numel(), t.element_size()) for k, t in state.items()}
+        dtypes = {v: k for k, v in ST_DTYPES.items()}
+        with safe_open(weights, framework="pt") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            return {k: (dtypes[s.get_dtype()].is_floating_point, math.prod(s.get_shape()),
+                        dtypes[s.get_dtype()].itemsize) for k, s in slices.items()}
+    except Exception as e:  # safetensors and torch.load raise many types for truncated or foreign files
+        raise ValueError(f"cannot read {weights} (truncated or not a weights file): {str(e).splitlines()[0]}") from None
+
+
+def check_layers(args: ModelArgs, names, weights: Path):
+    """Before the model is built: a config that claims a million layers would build them until memory ran out."""
+    layers = {n.split(".")[1] for n in names if n.startswith("layers.")}
+    if len(layers) != args.n_layer:
+        raise ValueError(f"{weights.parent / 'config.json'} says n_layer {args.n_layer} but {weights.name} holds "
+                         f"{len(layers)} layers; fix n_layer")
+
+
+def memory_needed(args: ModelArgs, sizes: dict, dtype, batch: int = 0, seq_len: int = 0, prompt_len: int = 0,
+                  share: int = 1) -> dict:
+    """Bytes, roughly: the weights in `dtype` (quantized ones as stored), the KV cache for batch x seq_len, and
+    prefill's largest activations (the logits of every prompt position, the MLP's hidden states, the attention
+    scores), each divided over `share` ranks."""
+    elt = torch.finfo(dtype).bits // 8
+    weights = sum(n * (elt if floating else size) for floating, n, size in sizes.values())
+    kv = 2 * args.n_layer * batch * args.n_kv_head * seq_len * args.head_dim * elt
+    acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 3 * args.intermediate_size) * elt
+                                 + args.n_head * seq_len * 4)
+    return {"weights": weights // share, "KV cache": kv // share, "activations": acts // share}
+
+
+def check_memory(needed: dict, device, fix: str):
+    total, available = sum(needed.values()), available_memory(torch.device(device))
+    if total > available:
+        parts = " + ".join(f"{k} {v / 1e9:.2f}" for k, v in needed.items() if v)
+        raise ValueError(f"this needs about {total / 1e9:.1f} GB ({parts} GB) but {torch.device(device)} has "
+                         f"{available / 1e9:.1f} GB available; {fix}")
+
+
+def plan(checkpoint_path, device="cpu", dtype=torch.bfloat16, batch: int = 0, seq_len: int = 0,
+         prompt_len: int = 0, share: int = 1) -> ModelArgs:
+    """Every check that reads no weights: the files, the config, the layer count, and the memory the weights and
+    a cache for batch x seq_len need against what `device` has. Call it before allocating anything."""
+    ckpt_dir, weights = checkpoint_files(checkpoint_path)
+    args = read_config(ckpt_dir)
+    sizes = tensor_sizes(weights)
+    check_layers(args, sizes, weights)
+    fix = "lower --batch_size or --max_seq_length" if batch else "use a quantized checkpoint or a larger machine"
+    check_memory(memory_needed(args, sizes, dtype, batch, seq_len, prompt_len, share), device, fix)
+    return args
+
+
+def check_finite(state: dict, weights: Path):
+    """One NaN in any weight turns every later logit into NaN: refuse the file instead of printing garbage."""
+    for k, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{weights}: tensor {k} holds NaN or infinite values; the file is damaged "
+                             f"(convert or download it again)")
+
+
 def read_checkpoint(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> tuple[ModelArgs, Optional[tuple], dict]:
-    """(config, quantization, tensors), checked against each other."""
+    """(config, quantization, tensors), checked against each other before and after reading."""
+    plan(checkpoint_path, device, dtype)
     ckpt_dir, weights = checkpoint_files(checkpoint_path)
     args, quantization = read_config(ckpt_dir), read_quantization(weights)
     state = read_weights(weights, device, dtype)
     what = f"config.json{' and the ' + quantization[0] + ' metadata' if quantization else ''} and {weights.name}"
     check_state(state, args, quantization, what)
+    check_finite(state, weights)
     return args, quantization, state
+
+
+def load_tokenizer(checkpoint_path, args: ModelArgs) -> Tokenizer:
+    """The checkpoint's tokenizer, refused if it names tokens the model has no row for."""
+    path = checkpoint_files(checkpoint_path)[0] / TOKENIZER
+    tokenizer = Tokenizer(path)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(f"{path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                         f"{args.vocab_size}: that tokenizer belongs to another model")
+    return tokenizer
 
 
 def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels: str = "auto") -> Transformer:
@@ -161,37 +291,50 @@ def write_safetensors(path: Path, state: dict, metadata: Optional[dict] = None):
             f.write(t.reshape(-1).view(torch.uint8).numpy().data if t.nbytes else b"")
 
 
-def write_atomically(path: Path, write):
-    """Write beside `path`, then rename: a crash leaves the old file or none, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def is_native_checkpoint(path: Path) -> bool:
+    """A directory this project wrote: a config of ModelArgs' fields and weights under model.py's names."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        read_config(path)
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            return "tok_embeddings.weight" in f.keys()
+    except Exception:  # anything unreadable is not ours
+        return False
 
 
-def check_writable(out_dir: Path, force: bool, *extra: str):
-    """Raise unless save() may write its files into out_dir: call it before long work, so that it fails fast."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"{out_dir} exists and is not a directory")
-    present = [f for f in ("config.json", TOKENIZER, *extra, "model.safetensors") if (out_dir / f).exists()]
+def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
+    """Raise unless save() may write into out_dir: a new or empty directory, or with force one that holds an
+    earlier checkpoint and nothing else; never an input, nor a directory inside or around one. Call it before
+    long work, so that it fails fast."""
+    out = Path(out_dir).resolve()
+    for source in map(lambda p: Path(p).resolve(), inputs):
+        if out == source or out in source.parents or source in out.parents:
+            where = "is" if out == source else "contains" if out in source.parents else "is inside"
+            raise ValueError(f"--out_dir {out_dir} {where} the input {source}; choose a directory apart from it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out_dir {out_dir} exists and is not a directory")
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if present and not force:
-        raise ValueError(f"{out_dir / present[0]} already exists; pass --force to replace it")
+        raise ValueError(f"--out_dir {out_dir} is not empty; choose a new directory, or pass --force to replace "
+                         f"an earlier checkpoint there")
+    ours = {"config.json", TOKENIZER, "model.safetensors", *extra}
+    foreign = [n for n in present if n not in ours and not (n.startswith(".") and ".tmp-" in n)]
+    if foreign or present and not is_native_checkpoint(out):
+        held = f"also holds {foreign[0]}" if foreign else "does not hold one"
+        raise ValueError(f"--force replaces only an earlier checkpoint, and {out_dir} {held}; "
+                         f"choose another directory")
 
 
 def save(out_dir, args: ModelArgs, state: dict, tokenizer: Path, metadata: Optional[dict] = None,
-         extra: Optional[dict] = None, force: bool = False) -> Path:
+         extra: Optional[dict] = None, force: bool = False, inputs=()) -> Path:
     """Write a checkpoint: state's tensors, args, a copy of the tokenizer file and `extra` {name: text}.
-    Only the files it writes are replaced, and only with force; anything else in out_dir stays."""
+    check_writable decides whether out_dir may be written; each file is written aside and renamed into place."""
     out_dir = Path(out_dir)
-    check_writable(out_dir, force, *(extra or {}))
+    check_writable(out_dir, force, inputs, extra or {})
     tokenizer_bytes = Path(tokenizer).read_bytes()  # before anything is written: the source may be in out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     texts = {"config.json": json.dumps(dataclasses.asdict(args), indent=2) + "\n", **(extra or {})}
     for name, text in texts.items():
-        write_atomically(out_dir / name, lambda tmp: tmp.write_text(text))
-    write_atomically(out_dir / TOKENIZER, lambda tmp: tmp.write_bytes(tokenizer_bytes))
-    write_atomically(out_dir / "model.safetensors", lambda tmp: write_safetensors(tmp, state, metadata))
+        write_file(out_dir / name, lambda tmp: tmp.write_text(text))
+    write_file(out_dir / TOKENIZER, lambda tmp: tmp.write_bytes(tokenizer_bytes))
+    write_file(out_dir / "model.safetensors", lambda tmp: write_safetensors(tmp, state, metadata))
     return out_dir

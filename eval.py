@@ -3,15 +3,16 @@ standard library (the text the built-in models were not trained on)."""
 import argparse
 import hashlib
 import math
-import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from checkpoint import TOKENIZER, checkpoint_files, load_model
+import checkpoint
+import cli
+from checkpoint import checkpoint_files, load_model
 from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device
 from tokenizer import Tokenizer
 
@@ -28,9 +29,11 @@ def stdlib_files(split: str) -> list[Path]:
 
 
 def read_texts(files: list[Path], source) -> list[str]:
+    """The files' text; refused if one is binary or not UTF-8, or if they are too large to tokenize here."""
+    available = cli.available_memory()
     for f in files:
-        if not f.is_file():
-            raise ValueError(f"not found: {f}")
+        cli.check_text_file(f, "text file", available)
+        available -= 8 * f.stat().st_size
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
     if not any(t.strip() for t in texts):
         raise ValueError(f"no text to evaluate in {source}")
@@ -61,16 +64,18 @@ def batches(tokenizer: Tokenizer, texts: list[str], seq_len: int, batch_size: in
 def perplexity(model, tokenizer: Tokenizer, texts: list[str], seq_len: int = 512, batch_size: int = 8,
                progress: bool = False) -> tuple[float, int]:
     """exp(mean negative log-likelihood) over every predicted token, and the number of those tokens."""
-    nll, count, t0 = 0.0, 0, time.perf_counter()
+    nll, count, bar = 0.0, 0, None
     for inputs, target, (done, total) in batches(tokenizer, texts, seq_len, batch_size, model.norm.weight.device):
         logits = model(inputs).float()  # the cache-free causal forward: pads on the right never matter
         nll += F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum").item()
         count += int((target != -100).sum())
-        if progress:
-            print(f"\r{done}/{total} windows, {count} tokens, ppl {math.exp(nll / count):.3f}, "
-                  f"{count / (time.perf_counter() - t0):.0f} tokens/s", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+        if not math.isfinite(nll):
+            raise ValueError("the model's logits became NaN or infinite; try --dtype float32")
+        bar = bar or tqdm(total=total, desc="windows", unit="", disable=None if progress else True)
+        bar.update(done - bar.n)
+        bar.set_postfix(ppl=f"{math.exp(nll / count):.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
     return math.exp(nll / count), count
 
 
@@ -95,20 +100,21 @@ def main(argv=None):
     src.add_argument("--text", type=Path, help="a text file, or a folder whose files are all evaluated")
     src.add_argument("--heldout", action="store_true", help="the built-in held-out split of the Python stdlib "
                      "(the default when --text is not given)")
-    p.add_argument("--max_files", type=int, help="evaluate only the first N files (sorted by path)")
+    p.add_argument("--max_files", type=cli.positive_int, help="evaluate only the first N files (sorted by path)")
     p.add_argument("--draft", type=Path, help="also report how often this draft checkpoint's greedy token "
                    "equals the model's")
-    p.add_argument("--seq_len", type=int, default=512, help="tokens per evaluation window")
-    p.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--seq_len", type=cli.positive_int, default=512, help="tokens per evaluation window")
+    p.add_argument("--batch_size", type=cli.positive_int, default=8, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="compute dtype (float32 by default: bf16 matmuls are slow on many CPUs)")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: with bfloat16 on a CPU, "
                    "cpu_gemv.py's kernels and the prefill dtype measured faster here; off: torch's own")
-    p.error = lambda msg: sys.exit(f"error: {msg}")
-    args = p.parse_args(argv)
-    if min(args.seq_len, args.batch_size, args.max_files or 1) < 1:
-        p.error("--seq_len, --batch_size and --max_files must be at least 1")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    args = cli.one_line_errors(p).parse_args(argv)
+    device = resolve_device(args.device)
+    if args.text is not None and not args.text.exists():
+        p.error(f"--text {args.text} not found")
     if args.text is None:
         files = stdlib_files("heldout")
     elif args.text.is_dir():
@@ -118,10 +124,16 @@ def main(argv=None):
     texts = read_texts(files[: args.max_files], args.text or "the held-out split")
     if args.draft:
         checkpoint_files(args.draft)  # fail before the long evaluation, not after
-    model = load_model(args.checkpoint_path, resolve_device(args.device), DTYPES[args.dtype], args.cpu_kernels)
-    if args.seq_len > model.args.block_size:
-        p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {model.args.block_size}")
-    tokenizer = Tokenizer(checkpoint_files(args.checkpoint_path)[0] / TOKENIZER)
+    config = checkpoint.plan(args.checkpoint_path, device, DTYPES[args.dtype], args.batch_size, args.seq_len,
+                             args.seq_len)
+    if args.seq_len > config.block_size:
+        p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {config.block_size}")
+    tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
+    if device.type == "cpu":
+        cli.set_threads(args.threads)
+    print(f"Evaluating {args.checkpoint_path} on {len(texts)} file(s), {sum(map(len, texts)) / 1e6:.1f} M "
+          f"characters")
+    model = load_model(args.checkpoint_path, device, DTYPES[args.dtype], args.cpu_kernels)
     ppl, n = perplexity(model, tokenizer, texts, args.seq_len, args.batch_size, progress=True)
     print(f"{args.checkpoint_path}: {n} tokens evaluated, perplexity {ppl:.4f}")
     if args.draft:
@@ -134,7 +146,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+    cli.run_main(main)

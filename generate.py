@@ -12,8 +12,10 @@ from typing import Callable, Optional
 
 import torch
 
+import checkpoint
+import cli
 import cpu_gemv
-from checkpoint import TOKENIZER, checkpoint_files, load_model
+from checkpoint import load_model
 from model import Transformer, kv_bucket
 from tokenizer import Tokenizer
 
@@ -39,9 +41,23 @@ def logits_to_probs(logits, temperature: float = 1.0, top_k: Optional[int] = Non
 
 
 def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None):  # [B, V] -> [B]
-    if temperature == 0:
-        return logits.argmax(-1)
-    return draw(logits_to_probs(logits, temperature, top_k, top_p))
+    """The next token of each row, or NOT_FINITE where the row's logits hold a NaN or an infinity (a damaged
+    model, or a dtype that overflows): the loop stops on it instead of printing garbage."""
+    tok = logits.argmax(-1) if temperature == 0 else draw(logits_to_probs(logits, temperature, top_k, top_p))
+    return tok.masked_fill(~torch.isfinite(logits).all(-1), NOT_FINITE)
+
+
+NOT_FINITE = -1
+
+
+def not_finite(step: int) -> ValueError:
+    return ValueError(f"the model's logits became NaN or infinite at new token {step + 1}: the weights or the "
+                      f"dtype overflow; try --dtype float32")
+
+
+def check_finite(bad, step: int):  # bad [B] bool; a host sync, so only every few steps
+    if bool(bad.any()):
+        raise not_finite(step)
 
 
 def draw(probs):  # [B, V] -> [B]
@@ -124,23 +140,29 @@ STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only ev
 
 
 def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos_id: Optional[int],
-                    callback: Optional[Callable], **sampling) -> int:
-    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos).
-    Returns the number of columns filled."""
+                    callback: Optional[Callable], bad, **sampling) -> int:
+    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos); bad [B] collects
+    the rows whose logits were not finite. Returns the number of columns filled."""
     input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
     done = out[:, 0] == eos_id if eos_id is not None else None  # [B]
     for i in range(1, out.size(1)):
-        if done is not None and i % STOP_CHECK_EVERY == 0 and bool(done.all()):
-            return i
+        if i % STOP_CHECK_EVERY == 0:
+            check_finite(bad, i)
+            if done is not None and bool(done.all()):
+                return i
         kv_len = kv_bucket(pos + i, model.max_seq_length)
         nxt = decode(model, out[:, i - 1 : i], input_pos, left_pad, kv_len, **sampling)
         input_pos += 1  # in place: the compiled step reads the same tensor every time
+        bad |= nxt == NOT_FINITE
+        nxt = nxt.clamp(min=0)  # a valid id to feed back; the check above stops the loop soon after
         if done is not None:  # a finished row keeps emitting EOS, so shapes stay fixed
             nxt = torch.where(done, eos_id, nxt)
             done |= nxt == eos_id
         out[:, i] = nxt  # preallocated: no allocation, and nxt's CUDA-graph buffer is free for the next step
         if callback is not None:
+            check_finite(bad[:1], i)  # the callback syncs every step anyway: never show row 0 a bad token
             callback(out[0, : i + 1].tolist())
+    check_finite(bad, out.size(1) - 1)
     return out.size(1)
 
 
@@ -178,13 +200,16 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     device_sync(device)
     t0 = time.perf_counter()
-    out[:, 0] = steps.prefill(model, idx, torch.arange(T, device=device), left_pad,
-                              kv_bucket(T, model.max_seq_length), **sampling)
+    first = steps.prefill(model, idx, torch.arange(T, device=device), left_pad, kv_bucket(T, model.max_seq_length),
+                          **sampling)
+    bad = first == NOT_FINITE  # [B]
+    out[:, 0] = first.clamp(min=0)
     if callback is not None:
+        check_finite(bad, 0)
         callback(out[0, :1].tolist())
     device_sync(device)
     t1 = time.perf_counter()
-    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos_id, callback, **sampling)
+    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos_id, callback, bad, **sampling)
     device_sync(device)
     t2 = time.perf_counter()
 
@@ -246,54 +271,68 @@ def make_streamer(tokenizer: Tokenizer, prompt: list[int]) -> Callable:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", action="append", help="prompt text; repeat the flag for a batch of prompts "
-                   "(default: 'def fibonacci(n):')")
+    p.add_argument("--prompt", action="append", help="prompt text, or - to read it from standard input; repeat "
+                   "the flag for a batch of prompts (default: 'def fibonacci(n):')")
+    p.add_argument("--prompt_file", type=Path, action="append", metavar="PATH", help="read a prompt from this "
+                   "UTF-8 text file; may be repeated, and combined with --prompt")
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
                    help="checkpoint directory: model.safetensors, config.json, tokenizer.model "
                    "(default: the built-in model trained on the Python standard library)")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate per row")
-    p.add_argument("--num_samples", type=int, default=1, help="how many times to generate (timed separately)")
-    p.add_argument("--batch_size", type=int, help="rows per batch: a single prompt is repeated this many times "
-                   "(default: the number of prompts)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (exact argmax)")
-    p.add_argument("--top_k", type=int, default=200, help="sample only among the k most likely tokens")
-    p.add_argument("--top_p", type=float, default=1.0, help="sample only among the most likely tokens that hold "
-                   "this much probability mass, in (0, 1]")
+    p.add_argument("--max_new_tokens", type=cli.positive_int, default=200, help="tokens to generate per row")
+    p.add_argument("--num_samples", type=cli.positive_int, default=1, help="how many times to generate (each "
+                   "timed separately)")
+    p.add_argument("--batch_size", type=cli.positive_int, help="rows per batch: a single prompt is repeated this "
+                   "many times (default: the number of prompts)")
+    p.add_argument("--temperature", type=cli.finite_float, default=0.8, help="0 is greedy (exact argmax)")
+    p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample only among the k most likely "
+                   "tokens")
+    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample only among the most likely tokens "
+                   "that hold this much probability mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=1234, help="random seed, for reproducible sampling")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: this CPU's decode "
                    "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
     p.add_argument("--compile", action="store_true", help='compile the decode step (mode="reduce-overhead", '
-                   "fullgraph): CUDA graphs on GPU; compile time is reported apart")
+                   "fullgraph): CUDA graphs on a GPU; the compile time is reported apart")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill, with dynamic shapes "
                    "(one compilation serves every prompt length)")
-    p.add_argument("--max_seq_length", type=int, help="KV cache length (default: longest prompt + max_new_tokens)")
+    p.add_argument("--max_seq_length", type=cli.positive_int, help="KV cache length (default: longest prompt + "
+                   "max_new_tokens)")
     p.add_argument("--profile", type=Path, metavar="PATH", help="write a torch.profiler trace of the last sample "
                    "to PATH (Chrome trace JSON)")
     p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
                    "as JSON (averaged over the samples after the first)")
-    # one line, not argparse's usage block: the error is what the user needs to read
-    p.error = lambda msg: sys.exit(f"error: {msg}")
-    return p
+    return cli.one_line_errors(p)
+
+
+def read_prompts(args) -> list[str]:
+    """--prompt texts (- reads standard input) and --prompt_file contents, in that order."""
+    prompts = [sys.stdin.read() if s == "-" else s for s in args.prompt or []]
+    prompts += [cli.check_text_file(f, "--prompt_file").read_text(encoding="utf-8") for f in args.prompt_file or []]
+    for s in prompts:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: bytes that were not UTF-8 in the shell's argument
+            raise ValueError("the prompt is not valid UTF-8 text") from None
+        if not s.strip():
+            raise ValueError("the prompt is empty")
+    return prompts or ["def fibonacci(n):"]
 
 
 def parse_args(argv=None, p: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
     p = p or parser()
     args = p.parse_args(argv)
-    checks = [(args.max_new_tokens >= 1, "--max_new_tokens must be at least 1"),
-              (args.num_samples >= 1, "--num_samples must be at least 1"),
-              (args.batch_size is None or args.batch_size >= 1, "--batch_size must be at least 1"),
-              (args.temperature >= 0, "--temperature must be >= 0"),
-              (args.top_k >= 1, "--top_k must be at least 1"),
-              (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
-              (args.max_seq_length is None or args.max_seq_length >= 1, "--max_seq_length must be at least 1"),
-              (all(s.strip() for s in args.prompt or ["x"]), "the prompt is empty")]
+    checks = [(args.temperature >= 0, "--temperature must be >= 0"),
+              (0 < args.top_p <= 1, "--top_p must be in (0, 1]")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
-    args.prompt = args.prompt or ["def fibonacci(n):"]
+    cli.check_output_file(args.metrics_json, "--metrics_json", '"ttft_ms"')
+    cli.check_output_file(args.profile, "--profile", '"traceEvents"')
+    args.prompt = read_prompts(args)
     if args.batch_size is None:
         args.batch_size = len(args.prompt)
     elif len(args.prompt) == 1:
@@ -322,25 +361,33 @@ def plain_loop(args, model: Transformer, prompts: list[list[int]], parallel=None
                                              **sampling)
 
 
+def print_texts(prompts: list[str], texts: list[str]):
+    if len(texts) == 1:
+        print(prompts[0] + texts[0])
+    for row, (prompt, text) in enumerate(zip(prompts, texts)):
+        if len(texts) > 1:
+            print(f"--- prompt {row + 1} of {len(texts)} ---\n{prompt}{text}")
+
+
 def run(args, make_loop: Callable = plain_loop, parallel=None):
     """Load, generate --num_samples times, print the text and the figures. make_loop builds the loop from the
     loaded model (speculative.py passes its own); parallel, from tp.py, holds the rank's device, a sharded loader
     and the collectives that sum figures over the ranks."""
-    device, dtype = resolve_device(args.device), DTYPES[args.dtype]
-    if parallel:
-        device = parallel.device
-    ckpt_dir, _ = checkpoint_files(args.checkpoint_path)
-    tokenizer = Tokenizer(ckpt_dir / TOKENIZER)
-    prompts = [tokenizer.encode(s, bos=True) for s in args.prompt]
+    device, dtype = parallel.device if parallel else resolve_device(args.device), DTYPES[args.dtype]
+    if device.type == "cpu":
+        cli.set_threads(args.threads, parallel.world if parallel else 1)
+    config = checkpoint.plan(args.checkpoint_path, device, dtype)
+    tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
+    encoded = {s: tokenizer.encode(s, bos=True) for s in set(args.prompt)}  # a repeated prompt is encoded once
+    prompts = [encoded[s] for s in args.prompt]
     T = max(len(p) for p in prompts)
-    model = (parallel.load_model if parallel else load_model)(args.checkpoint_path, device, dtype, args.cpu_kernels)
-    if tokenizer.vocab_size > model.args.vocab_size:
-        raise ValueError(f"tokenizer ({tokenizer.vocab_size} tokens) does not fit the model's vocab_size "
-                         f"{model.args.vocab_size}")
-    max_seq_length = args.max_seq_length or min(T + args.max_new_tokens, model.args.block_size)
-    if T + args.max_new_tokens > min(max_seq_length, model.args.block_size):
+    max_seq_length = args.max_seq_length or min(T + args.max_new_tokens, config.block_size)
+    if T + args.max_new_tokens > min(max_seq_length, config.block_size):
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the maximum "
-                         f"sequence length {min(max_seq_length, model.args.block_size)}")
+                         f"sequence length {min(max_seq_length, config.block_size)}")
+    checkpoint.plan(args.checkpoint_path, device, dtype, args.batch_size, max_seq_length, T,
+                    parallel.world if parallel else 1)  # before anything is allocated
+    model = (parallel.load_model if parallel else load_model)(args.checkpoint_path, device, dtype, args.cpu_kernels)
     model.setup_caches(args.batch_size, max_seq_length)
     model_bytes = weight_bytes(model)
     if parallel:
@@ -373,9 +420,9 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         result = loop(eos_id, make_streamer(tokenizer, prompts[0]) if stream else None)
         if prof is not None:
             prof.__exit__(None, None, None)
-            prof.export_chrome_trace(str(args.profile))
+            cli.write_file(args.profile, lambda tmp: prof.export_chrome_trace(str(tmp)))
         texts = [tokenizer.decode(p + r)[len(tokenizer.decode(p)):] for p, r in zip(prompts, result.rows)]
-        print("" if stream else "\n\n".join(s + t for s, t in zip(args.prompt, texts)))
+        print() if stream else print_texts(args.prompt, texts)
         samples += [{"text": t, "tokens": r} for t, r in zip(texts, result.rows)]
         figures = result.metrics(model_bytes)
         if parallel:
@@ -388,7 +435,7 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         metrics = {k: sum(r[k] for r in kept) / len(kept) if isinstance(v, (int, float)) else kept[-1][k]
                    for k, v in results[0].items()}
         metrics.update(compile_s=compile_s, samples=samples)
-        args.metrics_json.write_text(json.dumps(metrics, indent=2))
+        cli.write_file(args.metrics_json, lambda tmp: tmp.write_text(json.dumps(metrics, indent=2)))
 
 
 def main(argv=None):
@@ -396,7 +443,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
-        sys.exit(f"error: {e}")
+    cli.run_main(main)

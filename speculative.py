@@ -8,7 +8,6 @@ reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU eac
 arithmetic (a quarter of a step or more here), which is why the adaptive rule below measures costs instead of
 assuming them."""
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import cli
 import generate
 from checkpoint import TOKENIZER, checkpoint_files, load_model
 from generate import Generation, compile_prefill, compile_step, device_sync, draw, logits_to_probs, peak_memory_gb, \
@@ -68,7 +68,11 @@ def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
     i = torch.arange(m, device=p.device)
     ratio = p[i, proposed] / q[i, proposed]
     rejected = torch.rand(m, device=p.device) >= ratio  # rand < 1, so a ratio >= 1 always accepts
-    n = int(torch.where(rejected.any(), rejected.int().argmax(), m))  # the round's decision: one host sync
+    n = torch.where(rejected.any(), rejected.int().argmax(), m)
+    n = int(torch.where(torch.isfinite(p).all() & torch.isfinite(q).all(), n, -1))  # the round's one host sync
+    if n < 0:  # NaN compares false, so it would be "accepted": stop instead
+        raise ValueError("a model's logits became NaN or infinite: the weights or the dtype overflow; "
+                         "try --dtype float32")
     if n == m:
         return n, draw(p[m:])
     residual = (p[n] - q[n]).clamp(min=0)
@@ -154,6 +158,8 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     device_sync(device)
     prefill_s = time.perf_counter() - t0
     out, emitted, accepted, drafted = [], [int(cur)], [0] * (k + 1), 0
+    if emitted[0] == generate.NOT_FINITE:
+        raise generate.not_finite(0)
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
         for token in emitted:
@@ -238,9 +244,9 @@ def parser():
     p.description = "Generate text with speculative decoding: " + __doc__.splitlines()[0]
     p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer "
                    "proposes up to --speculate_k tokens, the target verifies them in one pass")
-    p.add_argument("--prompt_lookup", type=int, metavar="N", help="no draft model: propose the tokens that "
+    p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="no draft model: propose the tokens that "
                    "followed the last earlier occurrence of the context's last N tokens")
-    p.add_argument("--speculate_k", type=int, default=5, help="the most tokens proposed per verify pass; a draft "
+    p.add_argument("--speculate_k", type=cli.positive_int, default=5, help="the most tokens proposed per verify pass; a draft "
                    "model stops earlier when it grows unsure (threshold decoding), unless --fixed_k")
     p.add_argument("--fixed_k", action="store_true", help="the draft model always proposes --speculate_k tokens")
     return p
@@ -249,9 +255,7 @@ def parser():
 def parse_args(argv=None):
     p = parser()
     args = generate.parse_args(argv, p)
-    checks = [(args.speculate_k >= 1, "--speculate_k must be at least 1"),
-              (args.prompt_lookup is None or args.prompt_lookup >= 1, "--prompt_lookup must be at least 1"),
-              (not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
+    checks = [(not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
                "--prompt_lookup, not both"),
               (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
               (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup),
@@ -267,7 +271,4 @@ def main(argv=None, parallel=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
-        sys.exit(f"error: {e}")
+    cli.run_main(main)

@@ -10,6 +10,7 @@ import sentencepiece as spm
 LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 LLAMA3_NUM_SPECIAL = 256
 _RANK_LINE = re.compile(rb"[A-Za-z0-9+/]+={0,2} \d+\r?")
+MAX_BYTES = 1 << 30  # the largest real tokenizer files are tens of MB; anything near this is not one
 
 
 def _llama3_specials():
@@ -27,9 +28,14 @@ def _parse_ranks(data, path):
             continue
         try:
             token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            token, rank = base64.b64decode(token, validate=True), int(rank)
         except (ValueError, binascii.Error):
             raise ValueError(f"{path}: malformed tiktoken rank file at line {n}") from None
+        if token in ranks:
+            raise ValueError(f"{path}: line {n} repeats a token of an earlier line")
+        ranks[token] = rank
+    if len(set(ranks.values())) != len(ranks):  # tiktoken's core aborts the process on this, so check first
+        raise ValueError(f"{path}: two tokens share one rank")
     return ranks
 
 
@@ -38,6 +44,8 @@ class Tokenizer:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"{path}: tokenizer file not found")
+        if path.stat().st_size > MAX_BYTES:
+            raise ValueError(f"{path} is {path.stat().st_size / 1e9:.1f} GB, too large to be a tokenizer")
         data = path.read_bytes()
         if not data.strip():
             raise ValueError(f"{path}: tokenizer file is empty")
@@ -55,8 +63,10 @@ class Tokenizer:
         try:
             self._tt = tiktoken.Encoding(path.name, pat_str=LLAMA3_PATTERN,
                                          mergeable_ranks=ranks, special_tokens=specials)
-        except Exception as e:  # e.g. duplicate ranks: tiktoken's own errors are not ValueError
-            raise ValueError(f"{path}: invalid tiktoken rank file ({type(e).__name__})") from e
+        except BaseException as e:  # tiktoken's Rust panics derive from BaseException, not Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ValueError(f"{path}: invalid tiktoken rank file ({type(e).__name__})") from None
         self._sp = None
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]

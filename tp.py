@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch import Tensor
 
 import checkpoint
+import cli
 import generate
 import speculative
 
@@ -162,12 +163,14 @@ def main(argv=None):
     finish()
 
 
-if __name__ == "__main__":
+def main_of_rank(argv=None):
     try:
-        main()
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback, from every rank
-        sys.exit(f"error: {e}")
+        main(argv)
     except RuntimeError as e:  # a collective fails when another rank dies or stops answering
         if not dist.is_initialized():
             raise
-        sys.exit(f"error: rank {dist.get_rank()} lost contact with the other ranks: {str(e).splitlines()[0]}")
+        raise ValueError(f"rank {dist.get_rank()} lost contact with the other ranks: {cli.first_line(e)}") from None
+
+
+if __name__ == "__main__":
+    cli.run_main(main_of_rank)

@@ -15,16 +15,20 @@ Example:
       --out_dir checkpoints/meta-llama/Llama-2-7b-hf/native --dtype bfloat16
 """
 import argparse
+import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 # Let `python scripts/convert_hf_checkpoint.py` find model.py from any working directory.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
+import cli  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -34,6 +38,12 @@ WEIGHT_LAYOUTS = (  # (single file, index of shards), in order of preference
     ("pytorch_model.bin", "pytorch_model.bin.index.json"),
 )
 IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old exports saved; our model recomputes it
+HF_FIELDS = {  # the config fields read, and what each must be
+    int: ("vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+          "intermediate_size", "max_position_embeddings", "sliding_window"),
+    float: ("rope_theta", "rms_norm_eps"),
+    bool: ("tie_word_embeddings", "attention_bias", "mlp_bias"),
+}
 
 
 def read_json(path):
@@ -50,10 +60,26 @@ def read_model_args(checkpoint_dir):
     config = read_json(path)
     if not isinstance(config, dict):
         raise ValueError(f"{path} does not hold a JSON object")
+    check_hf_fields({**config, **(config.get("rope_parameters") or {})}, path)
     try:
-        return ModelArgs.from_hf_config(config)
+        args = ModelArgs.from_hf_config(config)
     except (KeyError, TypeError, AttributeError) as e:  # a field missing or of the wrong type
         raise ValueError(f"{path}: missing or malformed field {e}") from None
+    return checkpoint.check_config(dataclasses.asdict(args), f"{path} (as converted)")
+
+
+def check_hf_fields(config: dict, path):
+    """Types and ranges first: a 0 head count divides by zero, and a string "false" would read as true."""
+    for kind, keys in HF_FIELDS.items():
+        for key in keys:
+            value = config.get(key)
+            if value is None:
+                continue
+            ok = type(value) is kind or kind is float and type(value) is int
+            ok = ok and (kind is bool or math.isfinite(value) and value > 0)
+            if not ok:
+                need = {int: "a positive whole number", float: "a positive finite number", bool: "true or false"}
+                raise ValueError(f"{path}: {key} must be {need[kind]}, got {value!r}; fix that field")
 
 
 def find_tokenizer(checkpoint_dir):
@@ -110,12 +136,17 @@ def convert_weights(weights, args, dtype):
         tensor = weights.pop(key)()
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {key!r} has shape {list(tensor.shape)}, config.json implies {list(shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"tensor {key!r} is {str(tensor.dtype)[6:]}; a float weight belongs there (this "
+                             f"converter reads unquantized checkpoints)")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"tensor {key!r} holds NaN or infinite values; the source checkpoint is damaged")
         return tensor.to(dtype=dtype or tensor.dtype, memory_format=torch.contiguous_format, copy=True)
 
     dim, inter, vocab = args.dim, args.intermediate_size, args.vocab_size
     q_rows, kv_rows = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
     out = {"tok_embeddings.weight": read("model.embed_tokens.weight", vocab, dim)}
-    for n in range(args.n_layer):
+    for n in tqdm(range(args.n_layer), desc="converting layers", disable=None):
         hf, native = f"model.layers.{n}.", f"layers.{n}."
         q = unpermute_rope(read(hf + "self_attn.q_proj.weight", q_rows, dim), args.n_head, args.head_dim)
         k = unpermute_rope(read(hf + "self_attn.k_proj.weight", kv_rows, dim), args.n_kv_head, args.head_dim)
@@ -138,12 +169,6 @@ def convert_weights(weights, args, dtype):
     return out
 
 
-def check_out_dir(out_dir, checkpoint_dir, tokenizer_path):
-    # Writing into a directory we read from could replace a source file.
-    if out_dir.resolve() in (checkpoint_dir.resolve(), tokenizer_path.parent.resolve()):
-        raise ValueError(f"--out_dir {out_dir} must not be the source directory")
-
-
 def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
     """Convert the HF Llama checkpoint in `checkpoint_dir` into a native directory `out_dir`.
 
@@ -162,10 +187,10 @@ def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
     # Validate everything before creating or touching anything in out_dir.
     args = read_model_args(checkpoint_dir)
     tokenizer_path = find_tokenizer(checkpoint_dir)
-    check_out_dir(out_dir, checkpoint_dir, tokenizer_path)
-    checkpoint.check_writable(out_dir, force)
+    inputs = (checkpoint_dir, tokenizer_path)
+    checkpoint.check_writable(out_dir, force, inputs)
     tensors = convert_weights(open_weights(checkpoint_dir), args, dtype)
-    checkpoint.save(out_dir, args, tensors, tokenizer_path, {"format": "pt"}, force=force)
+    checkpoint.save(out_dir, args, tensors, tokenizer_path, {"format": "pt"}, force=force, inputs=inputs)
 
     n_params = sum(t.numel() for t in tensors.values())
     dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}))
@@ -181,20 +206,15 @@ def parse_args(argv=None):
                         help="directory to write model.safetensors, config.json and tokenizer.model into")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="cast all weights to this dtype (default: keep the source dtype)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace the checkpoint files already in --out_dir (other files there are kept)")
-    parser.error = lambda msg: sys.exit(f"error: {msg}")  # one line, not argparse's usage block
-    return parser.parse_args(argv)
+    parser.add_argument("--force", action="store_true", help="replace an earlier converted checkpoint in "
+                        "--out_dir (refused if the directory holds anything else)")
+    return cli.one_line_errors(parser).parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        convert_hf_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype, force=args.force)
-    except (ValueError, OSError) as e:
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        sys.exit(f"error: {lines[0]}")
+    convert_hf_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype, force=args.force)
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
+import cli  # noqa: E402
 from eval import read_texts, stdlib_files  # noqa: E402
 from generate import DEFAULT_CHECKPOINT, resolve_device  # noqa: E402
 from quantize import GROUPSIZES, MODES, calibration_tokens, gptq_model, quantized_state  # noqa: E402
@@ -34,9 +36,7 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
                          f"the original float checkpoint instead")
     tag = mode if mode == "int8" else f"{mode}-g{groupsize}"
     out_dir = Path(out_dir) if out_dir else ckpt_dir.parent / f"{ckpt_dir.name}-{tag}"
-    if out_dir.resolve() == ckpt_dir.resolve():
-        raise ValueError(f"--out_dir {out_dir} is the input checkpoint; choose another directory")
-    checkpoint.check_writable(out_dir, force)
+    checkpoint.check_writable(out_dir, force, [ckpt_dir])
 
     t0 = time.perf_counter()
     model = checkpoint.load_model(ckpt_dir, device, torch.float32)
@@ -45,7 +45,17 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
     def say(msg, end="\n"):
         if verbose:
             print(msg, end=end, file=sys.stderr, flush=True)
-    progress = lambda what: lambda i, n: say(f"\r{what} {i}/{n}", end="\n" if i == n else "")  # noqa: E731
+
+    def progress(what):  # a bar that appears once the work reports its size
+        bar = None
+
+        def step(i, n):
+            nonlocal bar
+            bar = bar or tqdm(total=n, desc=what, disable=None if verbose else True)
+            bar.update(i - bar.n)
+            if i == n:
+                bar.close()
+        return step
     gptq = None
     if mode == "int4-gptq":
         if calibration_texts is None:
@@ -53,14 +63,15 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
         tokens = calibration_tokens(Tokenizer(ckpt_dir / checkpoint.TOKENIZER), calibration_texts, samples,
                                     min(seq_len, model.args.block_size)).to(device)
         say(f"GPTQ on {tokens.size(0)} calibration windows of {tokens.size(1)} tokens")
-        gptq = gptq_model(model, tokens, groupsize, progress=progress("GPTQ: blocks done"))
+        gptq = gptq_model(model, tokens, groupsize, progress=progress("GPTQ blocks"))
     state = quantized_state(model, "int8" if mode == "int8" else "int4", groupsize, gptq,
-                            progress=progress("quantizing layer"))
+                            progress=progress("quantizing layers"))
     metadata = {"quantization": "int8" if mode == "int8" else "int4", "method": "gptq" if gptq else "rtn",
                 "source": str(ckpt_dir)}
     if mode != "int8":
         metadata["groupsize"] = str(groupsize)
-    checkpoint.save(out_dir, model.args, state, ckpt_dir / checkpoint.TOKENIZER, metadata, force=force)
+    checkpoint.save(out_dir, model.args, state, ckpt_dir / checkpoint.TOKENIZER, metadata, force=force,
+                    inputs=[ckpt_dir])
     mb = lambda p: p.stat().st_size / 1e6  # noqa: E731
     say(f"Wrote {out_dir / 'model.safetensors'}: {mb(out_dir / 'model.safetensors'):.1f} MB "
         f"(from {mb(weights):.1f} MB) in {time.perf_counter() - t0:.1f} s")
@@ -73,31 +84,31 @@ def main(argv=None):
                    help="float checkpoint directory (default: the built-in target model)")
     p.add_argument("--mode", required=True, choices=MODES, help="int8: per channel; int4: per group, round to "
                    "nearest; int4-gptq: per group, GPTQ on calibration text")
-    p.add_argument("--groupsize", type=int, help="int4 group size: 32, 64, 128 or 256 (default 128)")
+    p.add_argument("--groupsize", type=int, choices=GROUPSIZES, help="int4 group size: 32, 64, 128 or 256 "
+                   "(default 128)")
     p.add_argument("--calibration_file", type=Path, help="text for GPTQ (default: the built-in held-out split of "
                    "the Python standard library)")
-    p.add_argument("--calibration_samples", type=int, default=128, help="GPTQ calibration windows")
-    p.add_argument("--calibration_seq_len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--calibration_samples", type=cli.positive_int, default=128, help="GPTQ calibration windows")
+    p.add_argument("--calibration_seq_len", type=cli.positive_int, default=512, help="tokens per calibration "
+                   "window")
     p.add_argument("--out_dir", type=Path, help="where to write (default: CHECKPOINT-MODE next to the input)")
-    p.add_argument("--force", action="store_true", help="replace the checkpoint files already in --out_dir "
-                   "(other files there are kept)")
+    p.add_argument("--force", action="store_true", help="replace an earlier quantized checkpoint in --out_dir "
+                   "(refused if the directory holds anything else)")
     p.add_argument("--device", default="auto", help="where GPTQ runs: auto, cpu, cuda or cuda:N")
-    p.error = lambda msg: sys.exit(f"error: {msg}")
-    args = p.parse_args(argv)
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    args = cli.one_line_errors(p).parse_args(argv)
     if args.mode == "int8" and args.groupsize is not None:
         p.error("--groupsize applies to int4 only; int8 has one scale per output channel")
     if args.mode != "int4-gptq" and args.calibration_file:
         p.error("--calibration_file applies to --mode int4-gptq only")
-    if min(args.calibration_samples, args.calibration_seq_len) < 1:
-        p.error("--calibration_samples and --calibration_seq_len must be at least 1")
+    device = resolve_device(args.device)
+    cli.set_threads(args.threads)
+    if args.calibration_file:
+        cli.check_text_file(args.calibration_file, "--calibration_file")
     texts = read_texts([args.calibration_file], args.calibration_file) if args.calibration_file else None
     quantize_checkpoint(args.checkpoint_path, args.mode, args.groupsize or 128, args.out_dir, texts,
-                        args.calibration_samples, args.calibration_seq_len, resolve_device(args.device),
-                        args.force, verbose=True)
+                        args.calibration_samples, args.calibration_seq_len, device, args.force, verbose=True)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
-        sys.exit(f"error: {e}")
+    cli.run_main(main)

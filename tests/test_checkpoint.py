@@ -1,6 +1,7 @@
 """checkpoint.py: the one reader and writer of native checkpoints. Every tensor it hands out is 64-byte aligned,
 whoever wrote the file, and writing never loses a file that was there."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,18 +71,45 @@ def test_int8_prefill_of_64_tokens_runs_from_a_file_whose_weights_sit_8_bytes_of
     assert float(result.stdout.split()[-1]) > 0
 
 
-def test_save_refuses_to_replace_files_without_force_and_keeps_other_files(checkpoint, tmp_path):
+def test_save_refuses_a_non_empty_directory_without_force(checkpoint, tmp_path):
+    args, _, state = read_checkpoint(checkpoint, "cpu", torch.float32)
+    out = tmp_path / "out"
+    save(out, args, state, checkpoint / "tokenizer.model")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="not empty"):
+        save(out, args, state, checkpoint / "tokenizer.model")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_save_with_force_replaces_an_earlier_checkpoint(checkpoint, tmp_path):
+    args, _, state = read_checkpoint(checkpoint, "cpu", torch.float32)
+    out = tmp_path / "out"
+    save(out, args, state, checkpoint / "tokenizer.model")
+    save(out, args, {k: v + 1 for k, v in state.items()}, checkpoint / "tokenizer.model", force=True)
+    assert torch.equal(read_checkpoint(out, "cpu", torch.float32)[2]["norm.weight"], state["norm.weight"] + 1)
+
+
+def test_force_never_replaces_a_directory_that_holds_other_files(checkpoint, tmp_path):
     args, _, state = read_checkpoint(checkpoint, "cpu", torch.float32)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     (out / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="already exists"):
-        save(out, args, state, checkpoint / "tokenizer.model")
-    assert (out / "config.json").read_text() == "{}" and not (out / "model.safetensors").exists()
-    save(out, args, state, checkpoint / "tokenizer.model", force=True)
-    assert (out / "notes.txt").read_text() == "mine"
-    assert json.loads((out / "config.json").read_text())["dim"] == args.dim
+    with pytest.raises(ValueError, match="also holds notes.txt"):
+        save(out, args, state, checkpoint / "tokenizer.model", force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]
+    assert (out / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("where", ["input", "inside", "around"])
+def test_save_never_writes_into_around_or_inside_its_input(checkpoint, tmp_path, where):
+    args, _, state = read_checkpoint(checkpoint, "cpu", torch.float32)
+    source = tmp_path / "a" / "src"
+    shutil.copytree(checkpoint, source)
+    out = {"input": source, "inside": source / "sub", "around": tmp_path / "a"}[where]
+    with pytest.raises(ValueError, match="the input"):
+        save(out, args, state, source / "tokenizer.model", force=True, inputs=[source])
+    assert sorted(p.name for p in source.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
 
 
 def test_a_config_with_the_old_name_of_block_size_still_loads(checkpoint, tmp_path):

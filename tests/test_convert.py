@@ -206,10 +206,11 @@ def test_tokenizer_found_in_original_subfolder(hf_dir, tmp_path):
     assert (out / "tokenizer.model").read_bytes() == TOKENIZER_BYTES
 
 
-def test_out_dir_equal_to_source_is_refused(hf_dir):
+@pytest.mark.parametrize("out", [".", "native", ".."])
+def test_out_dir_that_is_inside_or_around_the_source_is_refused(hf_dir, out):
     before = dir_hashes(hf_dir)
-    with pytest.raises(ValueError, match="source"):
-        convert_hf_checkpoint(hf_dir, hf_dir, force=True)
+    with pytest.raises(ValueError, match="the input"):
+        convert_hf_checkpoint(hf_dir, hf_dir / out, force=True)
     assert dir_hashes(hf_dir) == before
 
 
@@ -222,13 +223,21 @@ def test_existing_output_without_force_fails_and_is_left_intact(hf_dir, tmp_path
     assert dir_hashes(out) == before
 
 
-def test_force_overwrites_existing_output(hf_dir, tmp_path, native):
-    out = tmp_path / "native2"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"previous conversion")
+def test_force_replaces_an_earlier_conversion(hf_dir, tmp_path, native):
+    out = convert_hf_checkpoint(hf_dir, tmp_path / "native2", dtype="bfloat16")
     convert_hf_checkpoint(hf_dir, out, force=True)
     assert_same_tensors(load_file(out / "model.safetensors"), native)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+
+
+def test_force_refuses_a_directory_that_holds_no_earlier_checkpoint(hf_dir, tmp_path):
+    out = tmp_path / "native2"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"someone else's file")
+    before = dir_hashes(out)
+    with pytest.raises(ValueError, match="only an earlier checkpoint"):
+        convert_hf_checkpoint(hf_dir, out, force=True)
+    assert dir_hashes(out) == before
 
 
 @pytest.mark.parametrize("remove", ["config.json", "model.safetensors", "tokenizer.model"])
