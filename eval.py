@@ -103,7 +103,8 @@ def main(argv=None):
     p.add_argument("--max_files", type=cli.positive_int, help="evaluate only the first N files (sorted by path)")
     p.add_argument("--draft", type=Path, help="also report how often this draft checkpoint's greedy token "
                    "equals the model's")
-    p.add_argument("--seq_len", type=cli.positive_int, default=512, help="tokens per evaluation window")
+    p.add_argument("--seq_len", type=cli.positive_int, help="tokens per evaluation window (default: 512, or the "
+                   "model's block_size if smaller)")
     p.add_argument("--batch_size", type=cli.positive_int, default=8, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
@@ -124,8 +125,9 @@ def main(argv=None):
     texts = read_texts(files[: args.max_files], args.text or "the held-out split")
     if args.draft:
         checkpoint_files(args.draft)  # fail before the long evaluation, not after
-    config = checkpoint.plan(args.checkpoint_path, device, DTYPES[args.dtype], args.batch_size, args.seq_len,
-                             args.seq_len)
+    config = checkpoint.plan(args.checkpoint_path, device, DTYPES[args.dtype])
+    args.seq_len = args.seq_len or min(512, config.block_size)
+    checkpoint.plan(args.checkpoint_path, device, DTYPES[args.dtype], args.batch_size, args.seq_len, args.seq_len)
     if args.seq_len > config.block_size:
         p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {config.block_size}")
     tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)

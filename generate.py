@@ -51,7 +51,7 @@ NOT_FINITE = -1
 
 
 def not_finite(step: int) -> ValueError:
-    return ValueError(f"the model's logits became NaN or infinite at new token {step + 1}: the weights or the "
+    return ValueError(f"the model's logits became NaN or infinite by new token {step + 1}: the weights or the "
                       f"dtype overflow; try --dtype float32")
 
 
@@ -332,12 +332,10 @@ def parse_args(argv=None, p: Optional[argparse.ArgumentParser] = None) -> argpar
             p.error(msg)
     cli.check_output_file(args.metrics_json, "--metrics_json", '"ttft_ms"')
     cli.check_output_file(args.profile, "--profile", '"traceEvents"')
-    args.prompt = read_prompts(args)
+    args.prompt = read_prompts(args)  # one prompt stays one until run() has checked the batch fits in memory
     if args.batch_size is None:
         args.batch_size = len(args.prompt)
-    elif len(args.prompt) == 1:
-        args.prompt = args.prompt * args.batch_size
-    elif args.batch_size != len(args.prompt):
+    elif len(args.prompt) > 1 and args.batch_size != len(args.prompt):
         p.error(f"--batch_size {args.batch_size} does not match the {len(args.prompt)} prompts given")
     return args
 
@@ -378,15 +376,19 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         cli.set_threads(args.threads, parallel.world if parallel else 1)
     config = checkpoint.plan(args.checkpoint_path, device, dtype)
     tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
-    encoded = {s: tokenizer.encode(s, bos=True) for s in set(args.prompt)}  # a repeated prompt is encoded once
-    prompts = [encoded[s] for s in args.prompt]
-    T = max(len(p) for p in prompts)
+    encoded = [tokenizer.encode(s, bos=True) for s in args.prompt]
+    T = max(len(p) for p in encoded)
+    if args.max_seq_length and args.max_seq_length > config.block_size:
+        raise ValueError(f"--max_seq_length {args.max_seq_length} exceeds the model's block_size {config.block_size}")
     max_seq_length = args.max_seq_length or min(T + args.max_new_tokens, config.block_size)
     if T + args.max_new_tokens > min(max_seq_length, config.block_size):
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the maximum "
                          f"sequence length {min(max_seq_length, config.block_size)}")
     checkpoint.plan(args.checkpoint_path, device, dtype, args.batch_size, max_seq_length, T,
                     parallel.world if parallel else 1)  # before anything is allocated
+    if len(args.prompt) < args.batch_size:  # one prompt, repeated
+        args.prompt, encoded = args.prompt * args.batch_size, encoded * args.batch_size
+    prompts = encoded
     model = (parallel.load_model if parallel else load_model)(args.checkpoint_path, device, dtype, args.cpu_kernels)
     model.setup_caches(args.batch_size, max_seq_length)
     model_bytes = weight_bytes(model)

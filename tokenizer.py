@@ -91,7 +91,8 @@ class Tokenizer:
         return [self.bos_id] + ids if bos else ids
 
     def decode(self, ids: list[int]) -> str:
-        ids = [int(i) for i in ids]
+        # a model's vocabulary may be padded past the tokenizer's (to a multiple of 64, say): those ids have no text
+        ids = [int(i) for i in ids if 0 <= i < self.vocab_size]
         if self._sp is not None:
             return self._sp.decode(ids)
         # errors="replace": a streaming prefix may end mid UTF-8 sequence.

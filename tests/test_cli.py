@@ -150,3 +150,88 @@ def test_cli_runs_a_llama3_style_checkpoint_with_a_tiktoken_tokenizer(tmp_path, 
     _, metrics = metrics_of(checkpoint, tmp_path, "--prompt", "héllo → 世界", "--max_new_tokens", 8, "--ignore_eos")
     assert len(metrics["samples"][0]["tokens"]) == 8
     assert "<|begin_of_text|>" not in metrics["samples"][0]["text"]
+
+
+# ---- prompts, labels and interruption -----------------------------------------------------------------------------
+
+def test_cli_reads_the_prompt_from_stdin_and_from_a_file(checkpoint, tmp_path):
+    args = ("--checkpoint_path", checkpoint, "--max_new_tokens", 4, "--ignore_eos", "--temperature", 0)
+    stdin = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--prompt", "-", *map(str, args)],
+                           input="the quick brown", capture_output=True, text=True, timeout=300, cwd=ROOT)
+    (tmp_path / "p.txt").write_text("the quick brown")
+    from_file = run_cli("--prompt_file", tmp_path / "p.txt", *args)
+    inline = run_cli("--prompt", "the quick brown", *args)
+    assert stdin.returncode == from_file.returncode == inline.returncode == 0, stdin.stderr + from_file.stderr
+    text = lambda r: r.stdout.splitlines()[1]  # noqa: E731  (the line after "Loaded ...")
+    assert text(stdin) == text(from_file) == text(inline) and text(inline).startswith("the quick brown")
+
+
+def test_cli_labels_each_output_of_a_batch(checkpoint):
+    result = run_cli("--checkpoint_path", checkpoint, "--prompt", "def f(x):", "--prompt", "the lazy dog",
+                     "--max_new_tokens", 4, "--ignore_eos")
+    assert result.returncode == 0, result.stderr
+    assert "--- prompt 1 of 2 ---\ndef f(x):" in result.stdout
+    assert "--- prompt 2 of 2 ---\nthe lazy dog" in result.stdout
+
+
+def test_cli_metrics_json_replaces_its_own_earlier_file(checkpoint, tmp_path):
+    first = metrics_of(checkpoint, tmp_path, "--max_new_tokens", 3, "--ignore_eos")[1]
+    second = metrics_of(checkpoint, tmp_path, "--max_new_tokens", 5, "--ignore_eos")[1]
+    assert len(first["samples"][0]["tokens"]) == 3 and len(second["samples"][0]["tokens"]) == 5
+
+
+def test_cli_runs_a_model_whose_vocabulary_is_padded_past_the_tokenizer(checkpoint, tmp_path):
+    padded = tmp_path / "padded"
+    shutil.copytree(checkpoint, padded)
+    from safetensors.torch import load_file, save_file
+    import torch
+    state = load_file(padded / "model.safetensors")
+    for k in ("tok_embeddings.weight", "output.weight"):  # 64 more rows, as models padded to a multiple of 64 have
+        state[k] = torch.cat([state[k], torch.zeros(64, state[k].size(1))])
+    torch.manual_seed(0)  # real ids score 0 and some padding id scores above it: padding wins every greedy step
+    state["output.weight"] = torch.cat([state["output.weight"][:-64] * 0, torch.randn(64, state[k].size(1)) * 10])
+    save_file(state, padded / "model.safetensors")
+    cfg = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] + 64}))
+    _, metrics = metrics_of(padded, tmp_path, "--prompt", "the", "--max_new_tokens", 4, "--ignore_eos",
+                                "--temperature", 0)
+    assert metrics["samples"][0]["text"] == "" and min(metrics["samples"][0]["tokens"]) >= cfg["vocab_size"]
+
+
+def test_ctrl_c_stops_with_one_line_and_status_130_keeping_what_was_printed(tmp_path):
+    import os
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--max_new_tokens", "1000",
+                             "--ignore_eos", "--num_samples", "1000", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = proc.stdout.readline()  # "Loaded ...": generation starts right after it
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert first.startswith("Loaded") and "Traceback" not in err
+    assert [l for l in err.strip().splitlines() if not l.startswith("warning:")] == ["interrupted"]
+
+
+def test_a_busy_cpu_is_reported_with_the_fix(capfd):
+    import os
+    import time
+    import cli
+    cores = len(os.sched_getaffinity(0))
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+    try:
+        time.sleep(0.5)
+        cli.set_threads(cores)
+    finally:
+        for p in spin:
+            p.kill()
+    err = capfd.readouterr().err
+    assert err.startswith("warning:") and "--threads 1" in err and len(err.splitlines()) == 1
+
+
+def test_physical_cores_counts_at_least_one_and_at_most_the_cpus():
+    import os
+    import cli
+    assert 1 <= cli.physical_cores() <= len(os.sched_getaffinity(0))

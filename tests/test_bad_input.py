@@ -1,0 +1,222 @@
+"""Every bad input ends in one line on stderr and exit status 2, before any long work, and no input file changes.
+One row per kind of bad input: the row builds the input in a temporary folder, runs the command as a user would,
+and the test checks the status, the one line (it must name the problem), the absence of a traceback, and the hash
+of every file the command could have touched."""
+import hashlib
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import save_hf_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+HUGE = 20 * 2**30  # sparse files this large take no disk space
+
+
+def run(script, *args, stdin=None):
+    argv = [sys.executable, str(ROOT / script), *(a if isinstance(a, bytes) else str(a) for a in args)]
+    return subprocess.run(argv, capture_output=True, timeout=300, cwd=ROOT, input=stdin)
+
+
+def fingerprint(folder: Path) -> dict:
+    """Every file under folder: its hash, or for a huge sparse file its size and modification time."""
+    def one(f):
+        if f.stat().st_size > 1 << 26:
+            return f.stat().st_size, f.stat().st_mtime_ns
+        return hashlib.sha256(f.read_bytes()).hexdigest()
+    return {str(f): one(f) for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def copy(ckpt, tmp, name="ckpt", **config):
+    """A copy of the checkpoint with config.json's fields changed."""
+    d = tmp / name
+    shutil.copytree(ckpt, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    return d
+
+
+def poisoned(ckpt, tmp, value):
+    """A copy with one weight set to value (NaN or an infinity)."""
+    d = copy(ckpt, tmp)
+    state = load_file(d / "model.safetensors")
+    state["layers.1.feed_forward.w2.weight"][3, 5] = value
+    save_file(state, d / "model.safetensors")
+    return d
+
+
+def overflowing(ckpt, tmp):
+    """A copy whose weights are all finite but whose activations overflow: the logits come out NaN."""
+    d = copy(ckpt, tmp)
+    state = load_file(d / "model.safetensors")
+    state["norm.weight"].fill_(3e38)  # the final norm times 3e38, summed over 64 inputs, overflows
+    save_file(state, d / "model.safetensors")
+    return d
+
+
+def sparse(path, size=HUGE):
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def hf(tmp, sp, **config):
+    """A Hugging Face checkpoint folder, with config.json's fields changed."""
+    d = tmp / "hf"
+    save_hf_llama(d, sp)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    return d
+
+
+def hf_with_int8_weight(tmp, sp):
+    d = hf(tmp, sp)
+    state = load_file(d / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].to(torch.int8)
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def tiktoken_duplicate_ranks(tmp):
+    d = tmp / "tok"
+    d.mkdir()
+    (d / "tokenizer.model").write_text("YQ== 0\nYg== 1\nYw== 1\n")
+    return d / "tokenizer.model"
+
+
+def with_tokenizer(ckpt, tmp, tokenizer):
+    d = copy(ckpt, tmp)
+    shutil.copy(tokenizer, d / "tokenizer.model")
+    return d
+
+
+def user_folder(tmp, *names):
+    d = tmp / "mine"
+    d.mkdir()
+    for n in names:
+        (d / n).write_text(f"the user's {n}")
+    return d
+
+
+GEN, QUANT, CONVERT, EVAL, SPEC = ("generate.py", "scripts/quantize_checkpoint.py",
+                                   "scripts/convert_hf_checkpoint.py", "eval.py", "speculative.py")
+N = ("--max_new_tokens", 4)
+
+# id: (script, lambda tmp, ckpt, sp -> args, a word the one line must contain)
+ROWS = {
+    # sizes: refused up front, saying how much is needed and how much there is
+    "config_with_a_million_layers": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, n_layer=10**6), *N],
+                                     "holds 2 layers"),
+    "batch_size_ten_million": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--batch_size", 10**7, *N],
+                               "GB available"),
+    "max_seq_length_past_the_model": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--max_seq_length", 10**9, *N],
+                                      "block_size"),
+    "kv_cache_larger_than_memory": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, block_size=10**9),
+                                                          "--max_seq_length", 10**9, *N], "KV cache"),
+    "tokenizer_of_20_GB": (GEN, lambda t, c, s: ["--checkpoint_path", with_tokenizer(c, t, sparse(t / "big")), *N],
+                           "too large"),
+    "prompt_file_of_20_GB": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt_file", sparse(t / "p.txt"), *N],
+                             "GB is available"),
+    "eval_text_of_20_GB": (EVAL, lambda t, c, s: ["--checkpoint_path", c, "--text", sparse(t / "t.txt")], "GB"),
+    # bad files
+    "float_vocab_size": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, vocab_size=320.5), *N], "vocab_size"),
+    "string_rope_base": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, rope_base="1e4"), *N], "rope_base"),
+    "string_norm_eps": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, norm_eps="1e-5"), *N], "norm_eps"),
+    "string_rope_scaling": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, rope_scaling="yes"), *N],
+                            "rope_scaling"),
+    "rope_base_zero": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, rope_base=0), *N], "rope_base"),
+    "rope_base_negative": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, rope_base=-1.0), *N], "rope_base"),
+    "tie_embeddings_as_a_string": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, tie_embeddings="false"), *N],
+                                   "tie_embeddings"),
+    "unknown_config_field": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, n_layers=2), *N], "n_layers"),
+    "block_size_zero": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, block_size=0), *N], "block_size"),
+    "tokenizer_larger_than_the_model": (GEN, lambda t, c, s: ["--checkpoint_path", copy(c, t, vocab_size=300), *N],
+                                        "vocab_size"),
+    "tiktoken_duplicate_ranks": (GEN, lambda t, c, s: ["--checkpoint_path",
+                                                       with_tokenizer(c, t, tiktoken_duplicate_ranks(t)), *N], "rank"),
+    "nan_weight": (GEN, lambda t, c, s: ["--checkpoint_path", poisoned(c, t, math.nan), *N], "NaN"),
+    "inf_weight": (GEN, lambda t, c, s: ["--checkpoint_path", poisoned(c, t, math.inf), *N], "infinite"),
+    "logits_overflow_during_generation": (GEN, lambda t, c, s: ["--checkpoint_path", overflowing(c, t), "--dtype",
+                                                                "float32", *N], "NaN or infinite by new token 4"),
+    "hf_folder_given_to_generate": (GEN, lambda t, c, s: ["--checkpoint_path", hf(t, s), *N],
+                                    "convert_hf_checkpoint.py --checkpoint_dir"),
+    # bad options
+    "temperature_inf": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--temperature", "inf", *N], "--temperature"),
+    "temperature_nan": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--temperature", "nan", *N], "--temperature"),
+    "threads_zero": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--threads", 0, *N], "--threads"),
+    "lone_surrogate_prompt": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt", b"caf\xe9", *N], "UTF-8"),
+    "empty_prompt_on_stdin": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt", "-", *N], "empty"),
+    "missing_prompt_file": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt_file", t / "none.txt", *N],
+                            "not found"),
+    "binary_prompt_file": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt_file",
+                                                 c / "model.safetensors", *N], "text"),
+    "profile_into_a_missing_folder": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--profile", t / "no" / "t.json",
+                                                            *N], "does not exist"),
+    "profile_onto_a_folder": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--profile", t, *N], "directory"),
+    "metrics_json_onto_a_users_file": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--metrics_json",
+                                                             user_folder(t, "thesis.txt") / "thesis.txt", *N],
+                                       "not an earlier output"),
+    "speculate_k_zero": (SPEC, lambda t, c, s: ["--checkpoint_path", c, "--prompt_lookup", 2, "--speculate_k", 0, *N],
+                         "--speculate_k"),
+    # quantization
+    "groupsize_zero": (QUANT, lambda t, c, s: ["--checkpoint_path", c, "--mode", "int4", "--groupsize", 0,
+                                               "--out_dir", t / "q"], "--groupsize"),
+    "gptq_on_nan_weights": (QUANT, lambda t, c, s: ["--checkpoint_path", poisoned(c, t, math.nan), "--mode",
+                                                    "int4-gptq", "--out_dir", t / "q"], "NaN"),
+    "quantize_nan_weights": (QUANT, lambda t, c, s: ["--checkpoint_path", poisoned(c, t, math.nan), "--mode", "int8",
+                                                     "--out_dir", t / "q"], "NaN"),
+    "gptq_binary_calibration_file": (QUANT, lambda t, c, s: ["--checkpoint_path", c, "--mode", "int4-gptq",
+                                                             "--calibration_file", c / "model.safetensors",
+                                                             "--out_dir", t / "q"], "text"),
+    "quantize_force_onto_the_inputs_parent": (QUANT, lambda t, c, s: ["--checkpoint_path", copy(c, t), "--mode",
+                                                                      "int8", "--out_dir", t, "--force"],
+                                              "contains the input"),
+    "quantize_force_onto_a_users_folder": (QUANT, lambda t, c, s: ["--checkpoint_path", c, "--mode", "int8",
+                                                                   "--out_dir", user_folder(t, "thesis.pdf",
+                                                                                            "config.json"),
+                                                                   "--force"], "also holds"),
+    # conversion
+    "hf_heads_zero": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf(t, s, num_attention_heads=0),
+                                                "--out_dir", t / "out"], "num_attention_heads"),
+    "hf_float_vocab_size": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf(t, s, vocab_size=320.0),
+                                                      "--out_dir", t / "out"], "vocab_size"),
+    "hf_nan_rope_theta": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf(t, s, rope_theta=math.nan, rope_parameters=None),
+                                                    "--out_dir", t / "out"], "rope_theta"),
+    "hf_tie_word_embeddings_as_a_string": (CONVERT, lambda t, c, s: ["--checkpoint_dir",
+                                                                     hf(t, s, tie_word_embeddings="false"),
+                                                                     "--out_dir", t / "out"], "tie_word_embeddings"),
+    "hf_int8_tensor_for_a_float_weight": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf_with_int8_weight(t, s),
+                                                                    "--out_dir", t / "out"], "float weight"),
+    "convert_into_the_hf_download": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf(t, s), "--out_dir", t / "hf"],
+                                     "is the input"),
+    "convert_into_a_users_folder": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf(t, s),
+                                                              "--out_dir", user_folder(t, "notes.md")], "not empty"),
+    # evaluation
+    "eval_nan_checkpoint": (EVAL, lambda t, c, s: ["--checkpoint_path", poisoned(c, t, math.nan), "--max_files", 1],
+                            "NaN"),
+    "eval_random_bytes": (EVAL, lambda t, c, s: ["--checkpoint_path", c, "--text",
+                                                 (t / "r.bin").write_bytes(bytes(range(256)) * 64) and t / "r.bin"],
+                          "UTF-8"),
+    "eval_missing_text": (EVAL, lambda t, c, s: ["--checkpoint_path", c, "--text", t / "none.txt"], "not found"),
+}
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_bad_input_gets_one_line_status_2_and_changes_no_file(row, checkpoint, sp_model_path, tmp_path):
+    script, make, word = ROWS[row]
+    args = make(tmp_path, checkpoint, sp_model_path)
+    before = fingerprint(tmp_path), fingerprint(checkpoint)
+    result = run(script, *args, stdin=b"  \n" if "-" in args else None)
+    stderr = result.stderr.decode(errors="replace")
+    lines = [l for l in stderr.strip().splitlines() if not l.startswith("warning:")]
+    assert result.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and word in lines[0], stderr
+    assert (fingerprint(tmp_path), fingerprint(checkpoint)) == before
