@@ -44,7 +44,7 @@ def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p:
     """The next token of each row, or NOT_FINITE where the row's logits hold a NaN or an infinity (a damaged
     model, or a dtype that overflows): the loop stops on it instead of printing garbage."""
     tok = logits.argmax(-1) if temperature == 0 else draw(logits_to_probs(logits, temperature, top_k, top_p))
-    return tok.masked_fill(~torch.isfinite(logits).all(-1), NOT_FINITE)
+    return torch.where(torch.isfinite(logits.sum(-1)), tok, NOT_FINITE)  # a sum is NaN or inf if any term is
 
 
 NOT_FINITE = -1
@@ -55,8 +55,8 @@ def not_finite(step: int) -> ValueError:
                       f"dtype overflow; try --dtype float32")
 
 
-def check_finite(bad, step: int):  # bad [B] bool; a host sync, so only every few steps
-    if bool(bad.any()):
+def check_finite(tokens, step: int):  # tokens [B, S]; a host sync, so only every few steps
+    if bool((tokens == NOT_FINITE).any()):
         raise not_finite(step)
 
 
@@ -140,30 +140,34 @@ STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only ev
 
 
 def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos_id: Optional[int],
-                    callback: Optional[Callable], bad, **sampling) -> int:
-    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos); bad [B] collects
-    the rows whose logits were not finite. Returns the number of columns filled."""
+                    callback: Optional[Callable], **sampling) -> int:
+    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos).
+    Returns the number of columns filled."""
     input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
     done = out[:, 0] == eos_id if eos_id is not None else None  # [B]
     for i in range(1, out.size(1)):
         if i % STOP_CHECK_EVERY == 0:
-            check_finite(bad, i)
+            check_finite(out[:, :i], i - 1)
             if done is not None and bool(done.all()):
                 return i
         kv_len = kv_bucket(pos + i, model.max_seq_length)
-        nxt = decode(model, out[:, i - 1 : i], input_pos, left_pad, kv_len, **sampling)
+        cur = out[:, i - 1 : i].clamp(min=0)  # a valid id even after NOT_FINITE; the check above stops the loop
+        nxt = decode(model, cur, input_pos, left_pad, kv_len, **sampling)
         input_pos += 1  # in place: the compiled step reads the same tensor every time
-        bad |= nxt == NOT_FINITE
-        nxt = nxt.clamp(min=0)  # a valid id to feed back; the check above stops the loop soon after
         if done is not None:  # a finished row keeps emitting EOS, so shapes stay fixed
             nxt = torch.where(done, eos_id, nxt)
             done |= nxt == eos_id
         out[:, i] = nxt  # preallocated: no allocation, and nxt's CUDA-graph buffer is free for the next step
         if callback is not None:
-            check_finite(bad[:1], i)  # the callback syncs every step anyway: never show row 0 a bad token
-            callback(out[0, : i + 1].tolist())
-    check_finite(bad, out.size(1) - 1)
+            stream(callback, out[0, : i + 1].tolist())
+    check_finite(out, out.size(1) - 1)
     return out.size(1)
+
+
+def stream(callback: Callable, tokens: list[int]):  # the callback syncs every step anyway: check on the host
+    if NOT_FINITE in tokens:
+        raise not_finite(len(tokens) - 1)
+    callback(tokens)
 
 
 def device_sync(device):
@@ -200,16 +204,13 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     device_sync(device)
     t0 = time.perf_counter()
-    first = steps.prefill(model, idx, torch.arange(T, device=device), left_pad, kv_bucket(T, model.max_seq_length),
-                          **sampling)
-    bad = first == NOT_FINITE  # [B]
-    out[:, 0] = first.clamp(min=0)
+    out[:, 0] = steps.prefill(model, idx, torch.arange(T, device=device), left_pad,
+                              kv_bucket(T, model.max_seq_length), **sampling)
     if callback is not None:
-        check_finite(bad, 0)
-        callback(out[0, :1].tolist())
+        stream(callback, out[0, :1].tolist())
     device_sync(device)
     t1 = time.perf_counter()
-    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos_id, callback, bad, **sampling)
+    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos_id, callback, **sampling)
     device_sync(device)
     t2 = time.perf_counter()
 
