@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+import cli  # noqa: E402
 import cpu_gemv  # noqa: E402
 from bench_quantize import random_checkpoint  # noqa: E402
 from checkpoint import load_model, read_config  # noqa: E402
@@ -171,15 +173,19 @@ def run_transformers(cfg: dict, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--shapes", nargs="+", choices=["built-in", *transformer_configs],
-                   help="default: the built-in target, TinyLlama-1.1B, and Llama-2-7b on GPU")
-    p.add_argument("--weights", nargs="+", default=["bf16", "int8", "int4"], choices=["bf16", "int8", "int4"])
-    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--prompts", nargs="+", type=int, default=[16, 1024], help="prompt lengths in tokens")
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the median is reported")
+                   help="model shapes (default: the built-in target, TinyLlama-1.1B, and Llama-2-7b on a GPU)")
+    p.add_argument("--weights", nargs="+", default=["bf16", "int8", "int4"], choices=["bf16", "int8", "int4"],
+                   help="weight formats to run")
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"],
+                   help="eager, or the decode step compiled as generate.py --compile does")
+    p.add_argument("--batches", nargs="+", type=cli.positive_int, default=[1, 8], help="batch sizes")
+    p.add_argument("--prompts", nargs="+", type=cli.positive_int, default=[16, 1024], help="prompt lengths in tokens")
+    p.add_argument("--new_tokens", type=cli.positive_int, default=64, help="tokens decoded per timed run")
+    p.add_argument("--repeats", type=cli.positive_int, default=3, help="timed runs per configuration; the median "
+                   "is reported")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     p.add_argument("--work_dir", type=Path, default=Path("/tmp/fast-decode-bench"), help="random checkpoints")
     p.add_argument("--quick", action="store_true", help="shapes larger than the built-in one at batch 1 with the "
                    "shortest prompt only, plus one long prefill in bf16 compiled (on a CPU, long prefills take minutes)")
@@ -189,10 +195,12 @@ def main():
                    help="decode a 100-token context in a 2k and a 32k cache (bf16, compiled, batch 1)")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: cpu_gemv.py's kernels for "
                    "this CPU and the prefill dtype measured faster here; off: torch's own kernels")
-    p.add_argument("--json", type=Path, default=Path("bench.json"))
+    p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the figures (and a PNG "
+                   "plot beside it)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration given as JSON
-    args = p.parse_args()
+    args = cli.one_line_errors(p).parse_args()
     device = resolve_device(args.device)
+    args.threads = cli.set_threads(args.threads) if device.type == "cpu" else args.threads
     if args.one:
         cfg = json.loads(args.one)
         if cfg == "ceilings":
@@ -202,18 +210,20 @@ def main():
             cfg = run_one(cfg)
         print(json.dumps(cfg))
         return
+    cli.check_output_file(args.json, "--json", '"machine"')
+    cli.check_output_file(args.json.with_suffix(".png"), "--json", "Matplotlib")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{cpu_gemv.cpu_name()}, {torch.get_num_threads()} threads"
-    ceilings = one_process(device, "ceilings")  # in a child: on Linux a child inherits its parent's peak RSS
+    ceilings = one_process(device, "ceilings", args.threads)  # in a child: on Linux a child inherits its parent's peak RSS
     copy_bw, matmul = ceilings["copy"], ceilings["matmul"]
     flops = max(matmul.values())
     print(f"{machine}: copy bandwidth {copy_bw / 1e9:.1f} GB/s; matmul " +
           ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in matmul.items()))
     args.work_dir.mkdir(parents=True, exist_ok=True)
     rows, long_rows = [], []
-    for cfg in configs(args, device):
-        row = dict(cfg, **one_process(device, dict(cfg, device=str(device),
-                                                   checkpoint=str(checkpoint(cfg["shape"], cfg["weights"], args.work_dir, cfg.get("cache", 0))))))
+    for cfg in tqdm(configs(args, device), desc="configurations", disable=None):
+        path = checkpoint(cfg["shape"], cfg["weights"], args.work_dir, cfg.get("cache", 0))
+        row = dict(cfg, **one_process(device, dict(cfg, device=str(device), checkpoint=str(path)), args.threads))
         row["pct_run_copy"] = 100 * row["bandwidth_gb_s"] * 1e9 / copy_bw
         row["pct_flops"] = 100 * row["prefill_tok_s"] * row["prefill_flops_per_token"] / flops
         if "cache" in cfg:
@@ -225,7 +235,7 @@ def main():
     results = {"machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "copy_bandwidth_gb_s": copy_bw / 1e9, "matmul_tflops": {k: v / 1e12 for k, v in matmul.items()},
                "rows": rows, "long_cache_rows": long_rows}
-    args.json.write_text(json.dumps(results, indent=2))
+    cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
     plot(results, args.json.with_suffix(".png"))
 
 
@@ -251,12 +261,15 @@ def configs(args, device) -> list[dict]:
     return out
 
 
-def one_process(device, cfg) -> dict:
+def one_process(device, cfg, threads) -> dict:
     """Run `--one cfg` in a fresh process, so that its memory, compile time and dynamo state are its own."""
-    done = subprocess.run([sys.executable, __file__, "--device", str(device), "--one", json.dumps(cfg)],
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, __file__, "--device", str(device), "--one", json.dumps(cfg),
+                           *(["--threads", str(threads)] if threads else [])], capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"error: {cfg} failed:\n{done.stderr[-3000:]}")
+        what = cfg if isinstance(cfg, str) else " ".join(f"{k}={cfg[k]}" for k in ("shape", "impl", "weights", "mode",
+                                                                                "batch", "prompt"))
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ValueError(f"the configuration {what} failed: {last}")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -298,9 +311,9 @@ def plot(results: dict, path: Path):
     ax.set_ylabel("% of copy bandwidth (batch 1 decode)")
     ax.set_title(f"{results['machine']}, {results['date']}")
     fig.tight_layout()
-    fig.savefig(path)
+    cli.write_file(path, lambda tmp: fig.savefig(tmp, format="png"))
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
+import cli  # noqa: E402
 from checkpoint import load_model, read_config  # noqa: E402
 from cpu_gemv import cpu_name  # noqa: E402
 from eval import perplexity, read_texts, stdlib_files  # noqa: E402
@@ -77,7 +79,7 @@ def kernel_table(shape: str):
         return (time.perf_counter() - t0) / n
     big = torch.randn(2**28)
     print(f"\nplain read (sum of a 1 GB float32 tensor): {big.numel() * 4 / seconds(big.sum, 10) / 1e9:.1f} GB/s")
-    print(f"\n| layer [N, K] | bf16 GB/s | int8 GB/s | int4-g32 GB/s | int4-g128 GB/s |\n|---|---|---|---|---|")
+    print("\n| layer [N, K] | bf16 GB/s | int8 GB/s | int4-g32 GB/s | int4-g128 GB/s |\n|---|---|---|---|---|")
     for name, (n, k) in layers.items():
         w, x = torch.randn(n, k) * 0.02, torch.randn(1, k, dtype=torch.bfloat16)
         bf16 = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
@@ -114,28 +116,41 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="where to decode: cpu, cuda or cuda:N")
     p.add_argument("--large", default="TinyLlama-1.1B", help="named shape for the random-weight model")
-    p.add_argument("--new_tokens", type=int, default=100, help="tokens decoded per timed run (built-in model)")
-    p.add_argument("--large_new_tokens", type=int, default=32, help="tokens decoded per timed run (large model)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure (the median is reported)")
+    p.add_argument("--new_tokens", type=cli.positive_int, default=100, help="tokens decoded per timed run "
+                   "(built-in model)")
+    p.add_argument("--large_new_tokens", type=cli.positive_int, default=32, help="tokens decoded per timed run "
+                   "(large model)")
+    p.add_argument("--repeats", type=cli.positive_int, default=3, help="timed runs per figure (the median is "
+                   "reported)")
     p.add_argument("--compile", action="store_true", help="also time the compiled decode step")
     p.add_argument("--skip_large", action="store_true", help="only the built-in model")
+    p.add_argument("--quick", action="store_true", help="a check that everything runs, in about a minute: the "
+                   "built-in model only, 32 tokens, one timed run, perplexity on 8 held-out files, GPTQ on 16 "
+                   "windows; its figures are rough")
     p.add_argument("--kernels", action="store_true", help="only time each layer kind of the large shape, per kernel")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     p.add_argument("--json", type=Path, default=Path("bench_quantize.json"), help="where to write the figures")
-    args = p.parse_args()
+    args = cli.one_line_errors(p).parse_args()
+    device = resolve_device(args.device)
+    cli.set_threads(args.threads)
     if args.kernels:
         return kernel_table(args.large)
-    device = resolve_device(args.device)
+    cli.check_output_file(args.json, "--json", '"machine"')
+    if args.quick:
+        args.skip_large, args.new_tokens, args.repeats = True, 32, 1
+    samples, seq_len = (16, 256) if args.quick else (128, 512)
     results = {"machine": torch.cuda.get_device_name(device) if device.type == "cuda" else
                f"{cpu_name()}, {torch.get_num_threads()} threads",
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": {}}
-    heldout = read_texts(stdlib_files("heldout"), "the held-out split")
+    heldout = read_texts(stdlib_files("heldout")[: 8 if args.quick else None], "the held-out split")
     tokenizer = Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model")
+    rows = [r for r in ROWS if not (args.quick and r[3] == "train")]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         large = None if args.skip_large else random_checkpoint(args.large, work / "large")
-        for label, mode, groupsize, calibration in ROWS:
+        for label, mode, groupsize, calibration in tqdm(rows, desc="quantization modes", disable=None):
             row = results["rows"][label] = {}
-            small = quantized(DEFAULT_CHECKPOINT, mode, groupsize, calibration, work, 128, 512, "cpu")
+            small = quantized(DEFAULT_CHECKPOINT, mode, groupsize, calibration, work, samples, seq_len, "cpu")
             row["size_mb"] = (small / "model.safetensors").stat().st_size / 1e6
             row["ppl"], _ = perplexity(load_model(small, "cpu", torch.float32), tokenizer, heldout)
             row["tok_s"] = decode_speed(small, device, args.new_tokens, args.repeats, False)
@@ -148,8 +163,7 @@ def main():
                 if args.compile:
                     row["large_tok_s_compiled"] = decode_speed(big, device, args.large_new_tokens, args.repeats,
                                                                True)
-            print(label, {k: round(v, 3) for k, v in row.items()}, file=sys.stderr, flush=True)
-    args.json.write_text(json.dumps(results, indent=2))
+    cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
     print_table(results, args.large)
 
 
@@ -174,4 +188,4 @@ def print_table(results: dict, large: str):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

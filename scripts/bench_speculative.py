@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 from checkpoint import load_model  # noqa: E402
@@ -86,18 +88,28 @@ def predicted_speedup(k: int, hist: list[int], costs: dict) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    p.add_argument("--prompts", type=int, default=4, help="prompts per set")
-    p.add_argument("--prompt_tokens", type=int, default=256)
-    p.add_argument("--new_tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row and prompt; the median is reported")
-    p.add_argument("--k_max", type=int, default=8, help="the adaptive rule's and prompt lookup's largest K")
-    p.add_argument("--ngram", type=int, default=3, help="prompt lookup's n-gram")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
+    p.add_argument("--prompts", type=cli.positive_int, default=4, help="prompts per set")
+    p.add_argument("--prompt_tokens", type=cli.positive_int, default=256, help="tokens per prompt")
+    p.add_argument("--new_tokens", type=cli.positive_int, default=128, help="tokens generated per run")
+    p.add_argument("--repeats", type=cli.positive_int, default=3, help="timed runs per row and prompt; the median "
+                   "is reported")
+    p.add_argument("--k_max", type=cli.positive_int, default=8, help="the adaptive rule's and prompt lookup's "
+                   "largest K")
+    p.add_argument("--ngram", type=cli.positive_int, default=3, help="prompt lookup's n-gram")
     p.add_argument("--compile", action="store_true", help="compile the steps, as generate.py --compile does")
-    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"))
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="a check that everything runs, in about a minute: one "
+                   "prompt per set, 64 prompt tokens, 32 new tokens, one timed run; its figures are rough")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write the figures")
+    args = cli.one_line_errors(p).parse_args()
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+    cli.check_output_file(args.json, "--json", '"machine"')
+    if device.type == "cpu":
+        cli.set_threads(args.threads)
+    if args.quick:
+        args.prompts, args.prompt_tokens, args.new_tokens, args.repeats = 1, 64, 32, 1
     torch.manual_seed(0)
     model, draft = load_model(DEFAULT_CHECKPOINT, device, dtype), load_model(DRAFT, device, dtype)
     sets = prompt_sets(Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model"), args.prompts, args.prompt_tokens)
@@ -113,7 +125,7 @@ def main():
     # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
     rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
     stats = {s: {label: [] for label in rows} for s in sets}
-    for _ in range(args.repeats):
+    for _ in tqdm(range(args.repeats), desc="timed rounds", disable=None):
         for s, ps in sets.items():
             for i, prompt in enumerate(ps):
                 for label, kwargs in rows.items():
@@ -144,7 +156,7 @@ def main():
         for row in results["sets"][s].values():
             row["speedup"] = row["tokens_per_sec"] / plain
     print_tables(results)
-    args.json.write_text(json.dumps(results, indent=2))
+    cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
     print(f"wrote {args.json}")
 
 
@@ -179,4 +191,4 @@ def print_tables(r: dict):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -99,14 +99,16 @@ def with_tokenizer(ckpt, tmp, tokenizer):
 
 def user_folder(tmp, *names):
     d = tmp / "mine"
-    d.mkdir()
     for n in names:
+        (d / n).parent.mkdir(parents=True, exist_ok=True)
         (d / n).write_text(f"the user's {n}")
     return d
 
 
 GEN, QUANT, CONVERT, EVAL, SPEC = ("generate.py", "scripts/quantize_checkpoint.py",
                                    "scripts/convert_hf_checkpoint.py", "eval.py", "speculative.py")
+TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "scripts/bench_quantize.py",
+                                  "scripts/bench_speculative.py")
 N = ("--max_new_tokens", 4)
 
 # id: (script, lambda tmp, ckpt, sp -> args, a word the one line must contain)
@@ -205,6 +207,27 @@ ROWS = {
                                                  (t / "r.bin").write_bytes(bytes(range(256)) * 64) and t / "r.bin"],
                           "UTF-8"),
     "eval_missing_text": (EVAL, lambda t, c, s: ["--checkpoint_path", c, "--text", t / "none.txt"], "not found"),
+    # training
+    "train_absurd_seq_len": (TRAIN, lambda t, c, s: ["--smoke", "--out_dir", t / "o", "--seq_len", 10**9], "--seq_len"),
+    "train_batch_larger_than_memory": (TRAIN, lambda t, c, s: ["--out_dir", t / "o", "--batch_size", 10**6], "GB"),
+    "train_out_dir_is_a_file": (TRAIN, lambda t, c, s: ["--smoke", "--out_dir", user_folder(t, "f") / "f"],
+                                "not a directory"),
+    "train_vocab_size_zero": (TRAIN, lambda t, c, s: ["--smoke", "--out_dir", t / "o", "--vocab_size", 0],
+                              "--vocab_size"),
+    "train_steps_zero": (TRAIN, lambda t, c, s: ["--smoke", "--out_dir", t / "o", "--steps", 0], "--steps"),
+    "train_force_onto_a_users_folder": (TRAIN, lambda t, c, s: ["--smoke", "--force", "--out_dir",
+                                                                user_folder(t, "stdlib-target/notes.md")],
+                                        "also holds notes.md"),
+    # benchmarks
+    "bench_unknown_device": (BENCH, lambda t, c, s: ["--device", "tpu"], "tpu"),
+    "bench_repeats_zero": (BENCH, lambda t, c, s: ["--repeats", 0], "--repeats"),
+    "bench_batch_zero": (BENCH, lambda t, c, s: ["--batches", 1, 0], "--batches"),
+    "bench_json_onto_a_users_file": (BENCH, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
+                                     "not an earlier output"),
+    "bench_quantize_unknown_device": (BENCH_Q, lambda t, c, s: ["--device", "tpu"], "tpu"),
+    "bench_quantize_repeats_zero": (BENCH_Q, lambda t, c, s: ["--repeats", 0], "--repeats"),
+    "bench_speculative_k_max_zero": (BENCH_S, lambda t, c, s: ["--k_max", 0], "--k_max"),
+    "bench_speculative_unknown_device": (BENCH_S, lambda t, c, s: ["--device", "tpu"], "tpu"),
 }
 
 

@@ -112,7 +112,7 @@ def test_training_refuses_to_overwrite_the_shipped_checkpoints():
 
 
 @pytest.mark.parametrize("args, message", [(("--batch_size", 0), "--batch_size"),
-                                           (("--vocab_size", 10), "SentencePiece training failed")])
+                                           (("--vocab_size", 10), "--vocab_size")])
 def test_training_bad_argument_gets_a_one_line_error(tmp_path, args, message):
     result = run("scripts/train_tiny.py", "--smoke", "--out_dir", tmp_path, *args)
     lines = result.stderr.strip().splitlines()
