@@ -39,6 +39,11 @@ def run_main(main: Callable, *args):
         fail("out of memory: lower --batch_size or --max_seq_length, or use a quantized checkpoint")
 
 
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph as one line: the description --help prints."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.error = lambda msg: fail(msg)  # one line, not argparse's usage block
     return p

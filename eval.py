@@ -93,7 +93,7 @@ def greedy_agreement(model, draft, tokenizer: Tokenizer, texts: list[str], seq_l
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="checkpoint directory "
                    "(default: the built-in target model)")
     src = p.add_mutually_exclusive_group()

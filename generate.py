@@ -271,7 +271,7 @@ def make_streamer(tokenizer: Tokenizer, prompt: list[int]) -> Callable:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--prompt", action="append", help="prompt text, or - to read it from standard input; repeat "
                    "the flag for a batch of prompts (default: 'def fibonacci(n):')")
     p.add_argument("--prompt_file", type=Path, action="append", metavar="PATH", help="read a prompt from this "

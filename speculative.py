@@ -241,7 +241,7 @@ def speculative_loop(args, model: Transformer, prompts: list[list[int]], paralle
 
 def parser():
     p = generate.parser()
-    p.description = "Generate text with speculative decoding: " + __doc__.splitlines()[0]
+    p.description = cli.summary(__doc__)
     p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer "
                    "proposes up to --speculate_k tokens, the target verifies them in one pass")
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="no draft model: propose the tokens that "

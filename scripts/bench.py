@@ -172,7 +172,7 @@ def run_transformers(cfg: dict, device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--shapes", nargs="+", choices=["built-in", *transformer_configs],
                    help="model shapes (default: the built-in target, TinyLlama-1.1B, and Llama-2-7b on a GPU)")
@@ -186,7 +186,8 @@ def main():
     p.add_argument("--repeats", type=cli.positive_int, default=3, help="timed runs per configuration; the median "
                    "is reported")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
-    p.add_argument("--work_dir", type=Path, default=Path("/tmp/fast-decode-bench"), help="random checkpoints")
+    p.add_argument("--work_dir", type=Path, default=Path("/tmp/fast-decode-bench"), help="where the random-weight "
+                   "checkpoints are written, and kept for the next run")
     p.add_argument("--quick", action="store_true", help="shapes larger than the built-in one at batch 1 with the "
                    "shortest prompt only, plus one long prefill in bf16 compiled (on a CPU, long prefills take minutes)")
     p.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,

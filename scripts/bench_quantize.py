@@ -113,7 +113,7 @@ def quantized(ckpt: Path, mode, groupsize, calibration, work: Path, samples: int
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--device", default="cpu", help="where to decode: cpu, cuda or cuda:N")
     p.add_argument("--large", default="TinyLlama-1.1B", help="named shape for the random-weight model")
     p.add_argument("--new_tokens", type=cli.positive_int, default=100, help="tokens decoded per timed run "

@@ -87,7 +87,7 @@ def predicted_speedup(k: int, hist: list[int], costs: dict) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
     p.add_argument("--prompts", type=cli.positive_int, default=4, help="prompts per set")

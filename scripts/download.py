@@ -17,6 +17,9 @@ import sys
 from fnmatch import fnmatch
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cli  # noqa: E402
+
 COMMON = ["config.json", "tokenizer.model", "original/tokenizer.model"]
 SAFETENSORS = ["model*.safetensors", "model.safetensors.index.json"]
 BIN = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
@@ -33,17 +36,17 @@ def download(repo_id, out_dir, token):
         from huggingface_hub import HfApi, snapshot_download
         from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
     except ImportError:
-        sys.exit("error: huggingface_hub is not installed (pip install huggingface_hub)")
+        raise ValueError("huggingface_hub is not installed (pip install huggingface_hub)") from None
     try:
         patterns = choose_patterns(HfApi().list_repo_files(repo_id, token=token))
         snapshot_download(repo_id, local_dir=out_dir, allow_patterns=patterns, token=token)
     except GatedRepoError:
-        sys.exit(f"error: {repo_id} is gated: accept its license on huggingface.co, then pass --hf_token or set HF_TOKEN")
+        raise ValueError(f"{repo_id} is gated: accept its license on huggingface.co, then pass --hf_token or set "
+                         f"HF_TOKEN") from None
     except RepositoryNotFoundError:
-        sys.exit(f"error: {repo_id} not found (or private: pass --hf_token or set HF_TOKEN)")
+        raise ValueError(f"{repo_id} not found (or private: pass --hf_token or set HF_TOKEN)") from None
     except Exception as e:  # network, disk or HTTP failure: any of them ends the download the same way
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        sys.exit(f"error: downloading {repo_id} failed: {lines[0]}")
+        raise ValueError(f"downloading {repo_id} failed: {cli.first_line(e)}") from None
 
 
 def parse_args(argv=None):
@@ -52,8 +55,7 @@ def parse_args(argv=None):
     parser.add_argument("--out_dir", type=Path, default=None, help="where to put the files (default: checkpoints/<repo_id>)")
     parser.add_argument("--hf_token", default=None,
                         help="access token for gated or private repos (default: the HF_TOKEN environment variable)")
-    parser.error = lambda msg: sys.exit(f"error: {msg}")  # one line, not argparse's usage block
-    return parser.parse_args(argv)
+    return cli.one_line_errors(parser).parse_args(argv)
 
 
 def main(argv=None):
@@ -64,4 +66,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -79,7 +79,7 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
                    help="float checkpoint directory (default: the built-in target model)")
     p.add_argument("--mode", required=True, choices=MODES, help="int8: per channel; int4: per group, round to "

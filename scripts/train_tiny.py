@@ -161,7 +161,7 @@ def unigram_perplexity(train_ids: torch.Tensor, heldout_ids: torch.Tensor, vocab
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--out_dir", type=Path, default=ROOT / "checkpoints", help="writes stdlib-target/ and "
                    "stdlib-draft/ here")
     p.add_argument("--seed", type=int, default=0, help="seeds initialisation and batch order")
