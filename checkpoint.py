@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +20,7 @@ from safetensors import safe_open
 
 import cpu_gemv
 import quantize
-from cli import available_memory, write_file
+from cli import available_memory
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer
 
@@ -312,12 +313,15 @@ def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
             raise ValueError(f"--out_dir {out_dir} {where} the input {source}; choose a directory apart from it")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out_dir {out_dir} exists and is not a directory")
+    parent = next(p for p in out.parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or out.is_dir() and not os.access(out, os.W_OK):
+        raise ValueError(f"--out_dir {out_dir} is not writable")
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if present and not force:
         raise ValueError(f"--out_dir {out_dir} is not empty; choose a new directory, or pass --force to replace "
                          f"an earlier checkpoint there")
     ours = {"config.json", TOKENIZER, "model.safetensors", *extra}
-    foreign = [n for n in present if n not in ours and not (n.startswith(".") and ".tmp-" in n)]
+    foreign = [n for n in present if n not in ours]
     if foreign or present and not is_native_checkpoint(out):
         held = f"also holds {foreign[0]}" if foreign else "does not hold one"
         raise ValueError(f"--force replaces only an earlier checkpoint, and {out_dir} {held}; "
@@ -327,14 +331,25 @@ def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
 def save(out_dir, args: ModelArgs, state: dict, tokenizer: Path, metadata: Optional[dict] = None,
          extra: Optional[dict] = None, force: bool = False, inputs=()) -> Path:
     """Write a checkpoint: state's tensors, args, a copy of the tokenizer file and `extra` {name: text}.
-    check_writable decides whether out_dir may be written; each file is written aside and renamed into place."""
+    check_writable decides whether out_dir may be written. The files go to a sibling directory that is then
+    renamed into place, so an interrupted save leaves the earlier checkpoint or none, never a mix of the two."""
     out_dir = Path(out_dir)
     check_writable(out_dir, force, inputs, extra or {})
-    tokenizer_bytes = Path(tokenizer).read_bytes()  # before anything is written: the source may be in out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    texts = {"config.json": json.dumps(dataclasses.asdict(args), indent=2) + "\n", **(extra or {})}
-    for name, text in texts.items():
-        write_file(out_dir / name, lambda tmp: tmp.write_text(text))
-    write_file(out_dir / TOKENIZER, lambda tmp: tmp.write_bytes(tokenizer_bytes))
-    write_file(out_dir / "model.safetensors", lambda tmp: write_safetensors(tmp, state, metadata))
+    full = out_dir.resolve()  # "." has no name to put beside it
+    tmp, old = (full.with_name(f".{full.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
+    try:
+        tmp.mkdir(parents=True)
+        texts = {"config.json": json.dumps(dataclasses.asdict(args), indent=2) + "\n", **(extra or {})}
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        write_safetensors(tmp / "model.safetensors", state, metadata)
+        if full.is_dir() and any(full.iterdir()):  # an earlier checkpoint (check_writable said so)
+            os.replace(full, old)
+        os.replace(tmp, full)  # onto a missing or empty directory: one rename
+    finally:
+        if old.exists() and not full.exists():  # the last rename failed: put the earlier checkpoint back
+            os.replace(old, full)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return out_dir

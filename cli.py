@@ -174,14 +174,16 @@ def busy_threads(samples: int = 5) -> int:
         return 0
 
 
-def set_threads(threads: Optional[int], share: int = 1) -> int:
+def set_threads(threads: Optional[int], share: int = 1, decode: bool = True) -> int:
     """Use `threads` CPU threads (default: the physical cores, split among `share` processes on one machine).
     Decode runs one parallel region per layer, and each waits for its slowest thread: a thread that has to share
-    its core with other work stalls all of them, so say so once, with the fix."""
+    its core with other work stalls all of them, so before decoding say so once, with the fix."""
     threads = threads or max(1, physical_cores() // share)
     torch.set_num_threads(threads)
+    if not decode:
+        return threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    others = busy_threads()
+    others = max(0, busy_threads() - (share - 1))  # less the other ranks of a tensor-parallel run, loading too
     if others and threads * share + others > cores:
         print(f"warning: {others} thread(s) of other programs are running on this machine's {cores} CPUs; decode "
               f"with {threads} threads can be many times slower while they do. Stop them, or pass --threads "

@@ -132,7 +132,7 @@ def main(argv=None):
         p.error(f"--seq_len {args.seq_len} exceeds the model's maximum {config.block_size}")
     tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
     if device.type == "cpu":
-        cli.set_threads(args.threads)
+        cli.set_threads(args.threads, decode=False)
     print(f"Evaluating {args.checkpoint_path} on {len(texts)} file(s), {sum(map(len, texts)) / 1e6:.1f} M "
           f"characters")
     model = load_model(args.checkpoint_path, device, DTYPES[args.dtype], args.cpu_kernels)

@@ -373,8 +373,6 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
     loaded model (speculative.py passes its own); parallel, from tp.py, holds the rank's device, a sharded loader
     and the collectives that sum figures over the ranks."""
     device, dtype = parallel.device if parallel else resolve_device(args.device), DTYPES[args.dtype]
-    if device.type == "cpu":
-        cli.set_threads(args.threads, parallel.world if parallel else 1)
     config = checkpoint.plan(args.checkpoint_path, device, dtype)
     tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
     encoded = [tokenizer.encode(s, bos=True) for s in args.prompt]
@@ -390,6 +388,8 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
     if len(args.prompt) < args.batch_size:  # one prompt, repeated
         args.prompt, encoded = args.prompt * args.batch_size, encoded * args.batch_size
     prompts = encoded
+    if device.type == "cpu":  # after the checks: a warning would only stand in front of their one line
+        cli.set_threads(args.threads, parallel.world if parallel else 1)
     model = (parallel.load_model if parallel else load_model)(args.checkpoint_path, device, dtype, args.cpu_kernels)
     model.setup_caches(args.batch_size, max_seq_length)
     model_bytes = weight_bytes(model)

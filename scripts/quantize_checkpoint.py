@@ -102,7 +102,7 @@ def main(argv=None):
     if args.mode != "int4-gptq" and args.calibration_file:
         p.error("--calibration_file applies to --mode int4-gptq only")
     device = resolve_device(args.device)
-    cli.set_threads(args.threads)
+    cli.set_threads(args.threads, decode=False)
     if args.calibration_file:
         cli.check_text_file(args.calibration_file, "--calibration_file")
     texts = read_texts([args.calibration_file], args.calibration_file) if args.calibration_file else None

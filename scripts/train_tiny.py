@@ -174,7 +174,7 @@ def main(argv=None):
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     args = cli.one_line_errors(p).parse_args(argv)
     check_plan(args)
-    cli.set_threads(args.threads)
+    cli.set_threads(args.threads, decode=False)
     t_start = time.perf_counter()
     train_texts = [f.read_text(encoding="utf-8") for f in stdlib_files("train")]
     heldout_texts = [f.read_text(encoding="utf-8") for f in stdlib_files("heldout")]

@@ -81,3 +81,8 @@ def checkpoint(tmp_path_factory, sp_model_path):
     hf_dir = tmp_path_factory.mktemp("hf")
     save_hf_llama(hf_dir, sp_model_path)
     return convert(hf_dir, tmp_path_factory.mktemp("native") / "ckpt")
+
+
+def errors_of(stderr: str) -> list[str]:
+    """stderr's lines less warnings (a busy machine adds one about threads): what bad input must reduce to one."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]

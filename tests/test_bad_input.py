@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import save_hf_llama
+from conftest import errors_of, save_hf_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = 20 * 2**30  # sparse files this large take no disk space
@@ -238,7 +238,7 @@ def test_bad_input_gets_one_line_status_2_and_changes_no_file(row, checkpoint, s
     before = fingerprint(tmp_path), fingerprint(checkpoint)
     result = run(script, *args, stdin=b"  \n" if "-" in args else None)
     stderr = result.stderr.decode(errors="replace")
-    lines = [l for l in stderr.strip().splitlines() if not l.startswith("warning:")]
+    lines = errors_of(stderr)
     assert result.returncode == 2, stderr
     assert "Traceback" not in stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and word in lines[0], stderr

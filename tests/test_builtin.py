@@ -11,6 +11,7 @@ from eval import perplexity, stdlib_files
 from checkpoint import load_model
 from generate import generate
 from tokenizer import Tokenizer
+from conftest import errors_of
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINTS = {name: ROOT / "checkpoints" / f"stdlib-{name}" for name in ("target", "draft")}
@@ -100,7 +101,7 @@ def test_eval_cli_bad_text_gets_a_one_line_error(tmp_path, content, message):
         path.write_text(content)
     result = run("eval.py", "--text", path)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = errors_of(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
 
 
@@ -115,5 +116,5 @@ def test_training_refuses_to_overwrite_the_shipped_checkpoints():
                                            (("--vocab_size", 10), "--vocab_size")])
 def test_training_bad_argument_gets_a_one_line_error(tmp_path, args, message):
     result = run("scripts/train_tiny.py", "--smoke", "--out_dir", tmp_path, *args)
-    lines = result.stderr.strip().splitlines()
+    lines = errors_of(result.stderr)
     assert result.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]

@@ -119,3 +119,19 @@ def test_a_config_with_the_old_name_of_block_size_still_loads(checkpoint, tmp_pa
     (old / "config.json").write_text(json.dumps(cfg))
     assert load_model(old, "cpu", torch.float32).args.block_size == cfg["max_seq_len"]
 
+
+
+def test_an_interrupted_save_leaves_the_earlier_checkpoint_whole(checkpoint, tmp_path, monkeypatch):
+    import checkpoint as ckpt
+    args, _, state = read_checkpoint(checkpoint, "cpu", torch.float32)
+    out = save(tmp_path / "out", args, state, checkpoint / "tokenizer.model")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def interrupted(path, *a, **k):  # Ctrl-C halfway through writing the weights
+        path.write_bytes(b"half")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ckpt, "write_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(out, args, state, checkpoint / "tokenizer.model", force=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left beside it

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import errors_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +111,7 @@ def test_cli_damaged_checkpoint_gets_a_one_line_error(broken, kind, message):
 def assert_one_line_error(result, message):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = errors_of(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
 
 
@@ -212,7 +213,7 @@ def test_ctrl_c_stops_with_one_line_and_status_130_keeping_what_was_printed(tmp_
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert first.startswith("Loaded") and "Traceback" not in err
-    assert [l for l in err.strip().splitlines() if not l.startswith("warning:")] == ["interrupted"]
+    assert errors_of(err) == ["interrupted"]
 
 
 def test_a_busy_cpu_is_reported_with_the_fix(capfd):

@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
 
 from model import ModelArgs  # noqa: E402
+from conftest import errors_of
 
 N_HEAD, N_KV_HEAD, HEAD_DIM, DIM, N_LAYER = 4, 2, 8, 32, 2
 TOKENIZER_BYTES = b"\x00not a real tokenizer\xff\n"  # copied verbatim, never parsed
@@ -245,6 +246,6 @@ def test_cli_reports_missing_input_in_one_error_line(hf_dir, tmp_path, remove):
     (hf_dir / remove).unlink()
     result = run_cli("--checkpoint_dir", hf_dir, "--out_dir", tmp_path / "native")
     assert result.returncode != 0
-    assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error:") and len(errors_of(result.stderr)) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "native").exists()

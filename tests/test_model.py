@@ -28,8 +28,8 @@ def rel_err(a, b):
 def pair(request, tmp_path_factory, sp_model_path):
     """(transformers model, our model converted from its save_pretrained output), both float32."""
     hf_dir = tmp_path_factory.mktemp(request.param)
-    hf = save_hf_llama(hf_dir, sp_model_path, **CONFIGS[request.param])
-    ours = load_model(convert(hf_dir, hf_dir / "native"), "cpu", torch.float32)
+    hf = save_hf_llama(hf_dir / "hf", sp_model_path, **CONFIGS[request.param])
+    ours = load_model(convert(hf_dir / "hf", hf_dir / "native"), "cpu", torch.float32)
     return hf, ours
 
 
@@ -67,8 +67,8 @@ def test_greedy_continuation_is_identical_to_transformers(pair, tokens):
 @torch.no_grad()
 def test_rope_scaling_changes_the_logits_at_this_length(tmp_path, sp_model_path, tokens):
     # guards the scaling test above: without the scaling our logits must be clearly off
-    hf = save_hf_llama(tmp_path, sp_model_path, rope_scaling=LLAMA31_SCALING)
-    ours = load_model(convert(tmp_path, tmp_path / "native"), "cpu", torch.float32)
+    hf = save_hf_llama(tmp_path / "hf", sp_model_path, rope_scaling=LLAMA31_SCALING)
+    ours = load_model(convert(tmp_path / "hf", tmp_path / "native"), "cpu", torch.float32)
     unscaled = Transformer(dataclasses.replace(ours.args, rope_scaling=None))
     unscaled.load_state_dict(ours.state_dict())
     assert rel_err(unscaled(tokens), hf(tokens).logits) > 1e-3

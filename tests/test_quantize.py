@@ -15,6 +15,7 @@ from checkpoint import load_model
 from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, gptq_int4,
                       pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles)
 from quantize_checkpoint import quantize_checkpoint
+from conftest import errors_of
 
 ROOT = Path(__file__).resolve().parent.parent
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -221,7 +222,7 @@ def test_quantize_cli_writes_a_checkpoint_generate_can_run(checkpoint, tmp_path)
 
 def error_of(result):
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = errors_of(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     return lines[0]
 

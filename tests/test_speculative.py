@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import speculative
-from conftest import convert, save_hf_llama
+from conftest import convert, errors_of, save_hf_llama
 from checkpoint import load_model
 from generate import generate, logits_to_probs
 from model import ModelArgs, Transformer
@@ -194,8 +194,9 @@ def test_compile_prefill_compiles_speculative_decodings_prefill_too(pair):
 
 def one_line_error(result):
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error:"), result.stderr
-    return result.stderr
+    lines = errors_of(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    return lines[0]
 
 
 def test_cli_rejects_a_draft_with_another_tokenizer(pair, tiktoken_model_path, tmp_path):
