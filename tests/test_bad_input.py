@@ -5,6 +5,7 @@ of every file the command could have touched."""
 import hashlib
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def tiktoken_duplicate_ranks(tmp):
 
 def with_tokenizer(ckpt, tmp, tokenizer):
     d = copy(ckpt, tmp)
-    shutil.copy(tokenizer, d / "tokenizer.model")
+    os.replace(tokenizer, d / "tokenizer.model")  # a move: copying a sparse file would write all 20 GB
     return d
 
 
