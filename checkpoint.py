@@ -1,7 +1,8 @@
 """Native checkpoints, read and written here and nowhere else. A checkpoint is a directory:
   model.safetensors  the weights under model.py's names; a quantized one says its mode in the metadata
   config.json        the fields of model.ModelArgs
-  tokenizer.model    SentencePiece or tiktoken (tokenizer.py tells which from the content)
+  tokenizer.model    SentencePiece or tiktoken, or tokenizer.json (tokenizer.py tells which from the content),
+                     with tokenizer_config.json, generation_config.json and chat_template.jinja where the model has them
 
 load_model builds the model on the meta device (no memory, no init), memory-maps the weights and assigns them.
 Every tensor it hands out starts on a 64-byte boundary: some CPU kernels (torch's int8 matmul on AVX-512) crash
@@ -26,6 +27,7 @@ from tokenizer import Tokenizer
 
 ALIGN = 64
 TOKENIZER = "tokenizer.model"
+TOKENIZER_FILES = ("tokenizer.json", TOKENIZER, "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
              torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
              torch.bool: "BOOL"}
@@ -244,9 +246,20 @@ def read_checkpoint(checkpoint_path, device="cpu", dtype=torch.bfloat16) -> tupl
     return args, quantization, state
 
 
+def tokenizer_files(folder: Path) -> dict[str, Path]:
+    """The tokenizer and its companions present in a checkpoint (or Hugging Face) folder, by name."""
+    return {n: Path(folder) / n for n in TOKENIZER_FILES if (Path(folder) / n).is_file()}
+
+
+def tokenizer_path(folder: Path) -> Path:
+    """tokenizer.json where there is one (it carries the added and special tokens), else tokenizer.model."""
+    files = tokenizer_files(folder)
+    return files.get("tokenizer.json", files.get(TOKENIZER, Path(folder) / TOKENIZER))
+
+
 def load_tokenizer(checkpoint_path, args: ModelArgs) -> Tokenizer:
     """The checkpoint's tokenizer, refused if it names tokens the model has no row for."""
-    path = checkpoint_files(checkpoint_path)[0] / TOKENIZER
+    path = tokenizer_path(checkpoint_files(checkpoint_path)[0])
     tokenizer = Tokenizer(path)
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(f"{path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -320,7 +333,7 @@ def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
     if present and not force:
         raise ValueError(f"--out_dir {out_dir} is not empty; choose a new directory, or pass --force to replace "
                          f"an earlier checkpoint there")
-    ours = {"config.json", TOKENIZER, "model.safetensors", *extra}
+    ours = {"config.json", *TOKENIZER_FILES, "model.safetensors", *extra}
     foreign = [n for n in present if n not in ours]
     if foreign or present and not is_native_checkpoint(out):
         held = f"also holds {foreign[0]}" if foreign else "does not hold one"
@@ -328,9 +341,10 @@ def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
                          f"choose another directory")
 
 
-def save(out_dir, args: ModelArgs, state: dict, tokenizer: Path, metadata: Optional[dict] = None,
+def save(out_dir, args: ModelArgs, state: dict, tokenizer, metadata: Optional[dict] = None,
          extra: Optional[dict] = None, force: bool = False, inputs=()) -> Path:
-    """Write a checkpoint: state's tensors, args, a copy of the tokenizer file and `extra` {name: text}.
+    """Write a checkpoint: state's tensors, args, the tokenizer and `extra` {name: text}. tokenizer is a file
+    (copied as tokenizer.model, or under its name if it is one of TOKENIZER_FILES) or {name: Path or text}.
     check_writable decides whether out_dir may be written. The files go to a sibling directory that is then
     renamed into place, so an interrupted save leaves the earlier checkpoint or none, never a mix of the two."""
     out_dir = Path(out_dir)
@@ -339,10 +353,14 @@ def save(out_dir, args: ModelArgs, state: dict, tokenizer: Path, metadata: Optio
     tmp, old = (full.with_name(f".{full.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
     try:
         tmp.mkdir(parents=True)
-        texts = {"config.json": json.dumps(dataclasses.asdict(args), indent=2) + "\n", **(extra or {})}
+        if not isinstance(tokenizer, dict):
+            tokenizer = {Path(tokenizer).name if Path(tokenizer).name in TOKENIZER_FILES else TOKENIZER: tokenizer}
+        texts = {"config.json": json.dumps(dataclasses.asdict(args), indent=2) + "\n", **tokenizer, **(extra or {})}
         for name, text in texts.items():
-            (tmp / name).write_text(text)
-        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            if isinstance(text, str):
+                (tmp / name).write_text(text, encoding="utf-8")
+            else:
+                shutil.copyfile(text, tmp / name)
         write_safetensors(tmp / "model.safetensors", state, metadata)
         if full.is_dir() and any(full.iterdir()):  # an earlier checkpoint (check_writable said so)
             os.replace(full, old)

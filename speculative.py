@@ -19,7 +19,7 @@ from torch import Tensor
 
 import cli
 import generate
-from checkpoint import TOKENIZER, checkpoint_files, load_model
+from checkpoint import checkpoint_files, load_model, tokenizer_path
 from generate import Generation, compile_prefill, compile_step, device_sync, draw, logits_to_probs, peak_memory_gb, \
     prefill
 from model import Transformer, kv_bucket
@@ -214,9 +214,9 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
 def load_draft(path, target_dir: Path, model: Transformer, device, dtype, cpu_kernels: str = "auto") -> Transformer:
     """The draft model, checked to share the target's tokenizer and vocabulary."""
     draft_dir, _ = checkpoint_files(path)
-    tok = draft_dir / TOKENIZER
-    if not tok.is_file() or tok.read_bytes() != (target_dir / TOKENIZER).read_bytes():
-        raise ValueError(f"the draft's tokenizer ({draft_dir / TOKENIZER}) differs from the target's")
+    tok = tokenizer_path(draft_dir)
+    if not tok.is_file() or tok.read_bytes() != tokenizer_path(target_dir).read_bytes():
+        raise ValueError(f"the draft's tokenizer ({tok}) differs from the target's")
     draft = load_model(path, device, dtype, cpu_kernels)
     if draft.args.vocab_size != model.args.vocab_size:
         raise ValueError(f"the draft's vocab_size {draft.args.vocab_size} differs from the target's "
