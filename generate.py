@@ -139,15 +139,21 @@ class Generation:
 STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only every few steps, as each look syncs
 
 
-def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos_id: Optional[int],
-                    callback: Optional[Callable], **sampling) -> int:
-    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos).
+def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos, callback: Optional[Callable],
+                    stop: Optional[Callable] = None, **sampling) -> int:
+    """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos). eos [E] holds the
+    end-of-sequence ids; stop(row) -> the tokens to keep, fewer than len(row) once a stop string shows.
     Returns the number of columns filled."""
     input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
-    done = out[:, 0] == eos_id if eos_id is not None else None  # [B]
+    done = torch.isin(out[:, 0], eos) if eos is not None else None  # [B]
+    if stop is not None and done is None:
+        done = torch.zeros_like(out[:, 0], dtype=torch.bool)
+    fill = eos[0] if eos is not None else 0  # what a finished row repeats
     for i in range(1, out.size(1)):
         if i % STOP_CHECK_EVERY == 0:
             check_finite(out[:, :i], i - 1)
+            if stop is not None:  # text is the host's: decode each row where the loop syncs anyway
+                done |= torch.tensor([stop(r) < len(r) for r in out[:, :i].tolist()], device=out.device)
             if done is not None and bool(done.all()):
                 return i
         kv_len = kv_bucket(pos + i, model.max_seq_length)
@@ -155,8 +161,9 @@ def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos_id: Op
         nxt = decode(model, cur, input_pos, left_pad, kv_len, **sampling)
         input_pos += 1  # in place: the compiled step reads the same tensor every time
         if done is not None:  # a finished row keeps emitting EOS, so shapes stay fixed
-            nxt = torch.where(done, eos_id, nxt)
-            done |= nxt == eos_id
+            nxt = torch.where(done, fill, nxt)
+            if eos is not None:
+                done |= torch.isin(nxt, eos)
         out[:, i] = nxt  # preallocated: no allocation, and nxt's CUDA-graph buffer is free for the next step
         if callback is not None:
             stream(callback, out[0, : i + 1].tolist())
@@ -178,15 +185,19 @@ def device_sync(device):
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: Optional[int] = None,
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_ids=None,
              callback: Optional[Callable] = None, pad_id: int = 0, steps: Steps = Steps(),
-             **sampling) -> Generation:
-    """Greedy or sampled continuations of a batch of token-id prompts of any lengths (left-padded).
-    callback, if given, sees the first row's new tokens after every step."""
+             stop: Optional[Callable] = None, cached: int = 0, **sampling) -> Generation:
+    """Greedy or sampled continuations of a batch of token-id prompts of any lengths (left-padded). A row ends
+    at any of eos_ids, or where stop(row) (see stop_strings) cuts it. callback, if given, sees the first row's new
+    tokens after every step. cached: the KV cache already holds the first `cached` tokens of the (one) prompt,
+    from an earlier call, so prefill computes only the rest (a chat's earlier turns)."""
     device = model.tok_embeddings.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
         raise ValueError("a prompt is empty")
+    if cached and (B > 1 or not 0 <= cached < T or model.max_seq_length < T + max_new_tokens):
+        raise ValueError("cached tokens need one prompt longer than them, in a cache set up to hold it all")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if T + max_new_tokens > model.args.block_size:
@@ -201,23 +212,50 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     if any(len(p) < T for p in prompts):
         left_pad = torch.tensor([T - len(p) for p in prompts], device=device)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    eos = torch.tensor(list(eos_ids), device=device) if eos_ids else None  # [E]
 
     device_sync(device)
     t0 = time.perf_counter()
-    out[:, 0] = steps.prefill(model, idx, torch.arange(T, device=device), left_pad,
+    out[:, 0] = steps.prefill(model, idx[:, cached:], torch.arange(cached, T, device=device), left_pad,
                               kv_bucket(T, model.max_seq_length), **sampling)
     if callback is not None:
         stream(callback, out[0, :1].tolist())
     device_sync(device)
     t1 = time.perf_counter()
-    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos_id, callback, **sampling)
+    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos, callback, stop, **sampling)
     device_sync(device)
     t2 = time.perf_counter()
 
-    rows = out[:, :filled].tolist()
-    if eos_id is not None:
-        rows = [r[: r.index(eos_id)] if eos_id in r else r for r in rows]
-    return Generation(rows, B * T, t1 - t0, t2 - t1, B * (filled - 1), filled - 1, peak_memory_gb(device))
+    rows = [cut(r, eos_ids, stop) for r in out[:, :filled].tolist()]
+    return Generation(rows, B * (T - cached), t1 - t0, t2 - t1, B * (filled - 1), filled - 1, peak_memory_gb(device))
+
+
+def cut(row: list[int], eos_ids, stop: Optional[Callable]) -> list[int]:
+    """The row up to (not including) its first end-of-sequence id, and up to the token ending a stop string."""
+    end = next((i for i, t in enumerate(row) if t in (eos_ids or ())), len(row))
+    return row[: stop(row[:end]) if stop else end]
+
+
+def stop_strings(tokenizer: Tokenizer, strings: list[str]) -> Optional[Callable]:
+    """stop(row) -> how many of the row's tokens to keep: through the token that completes the first of the stop
+    strings in the row's text, or all of them. The text is cut before the string later (cut_text)."""
+    if not strings:
+        return None
+
+    def stop(row: list[int]) -> int:
+        if not any(s in tokenizer.decode(row) for s in strings):
+            return len(row)
+        lo, hi = 1, len(row)  # a string, once in the text of a prefix, stays in the text of longer ones
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if any(s in tokenizer.decode(row[:mid]) for s in strings) else (mid + 1, hi)
+        return lo
+    return stop
+
+
+def cut_text(text: str, strings: Optional[list[str]]) -> str:
+    """The text before the first stop string (the stop string is not part of the answer)."""
+    return text[: min([text.find(s) for s in strings or () if s in text], default=len(text))]
 
 
 # ---- command line ------------------------------------------------------------------------------------------------
@@ -303,7 +341,12 @@ def parser() -> argparse.ArgumentParser:
                    "max_new_tokens)")
     p.add_argument("--profile", type=Path, metavar="PATH", help="write a torch.profiler trace of the last sample "
                    "to PATH (Chrome trace JSON)")
-    p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template, as a user "
+                   "turn, and print only the answer")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
+    p.add_argument("--stop", action="append", metavar="STRING", help="end a row where its text first contains "
+                   "STRING (not printed); may be repeated")
+    p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence tokens")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
                    "as JSON (averaged over the samples after the first)")
     return cli.one_line_errors(p)
@@ -327,7 +370,9 @@ def parse_args(argv=None, p: Optional[argparse.ArgumentParser] = None) -> argpar
     p = p or parser()
     args = p.parse_args(argv)
     checks = [(args.temperature >= 0, "--temperature must be >= 0"),
-              (0 < args.top_p <= 1, "--top_p must be in (0, 1]")]
+              (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
+              (args.system is None or args.chat, "--system needs --chat"),
+              (all(args.stop or ()), "--stop needs a non-empty string")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -339,6 +384,15 @@ def parse_args(argv=None, p: Optional[argparse.ArgumentParser] = None) -> argpar
     elif len(args.prompt) > 1 and args.batch_size != len(args.prompt):
         p.error(f"--batch_size {args.batch_size} does not match the {len(args.prompt)} prompts given")
     return args
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool = False, system: Optional[str] = None) -> list[int]:
+    """Plain text with BOS, or a user turn (after a system one) in the model's chat template, whose special
+    tokens become their ids."""
+    if not chat:
+        return tokenizer.encode(text, bos=True)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), bos=False, specials=True)
 
 
 def print_summary(m: dict):
@@ -354,10 +408,11 @@ def print_summary(m: dict):
 
 
 def plain_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, **sampling) -> Callable:
-    """The loop run() times: (eos_id, callback) -> Generation."""
+    """The loop run() times: (eos_ids, callback, stop, cached, prompts) -> Generation; chat.py passes each
+    turn's prompt and how much of it the cache already holds."""
     steps = build_steps(args.compile, args.compile_prefill)
-    return lambda eos_id, callback: generate(model, prompts, args.max_new_tokens, eos_id, callback, steps=steps,
-                                             **sampling)
+    return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: generate(
+        model, prompts, args.max_new_tokens, eos_ids, callback, steps=steps, stop=stop, cached=cached, **sampling)
 
 
 def print_texts(prompts: list[str], texts: list[str]):
@@ -375,7 +430,7 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
     device, dtype = parallel.device if parallel else resolve_device(args.device), DTYPES[args.dtype]
     config = checkpoint.plan(args.checkpoint_path, device, dtype)
     tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
-    encoded = [tokenizer.encode(s, bos=True) for s in args.prompt]
+    encoded = [encode_prompt(tokenizer, s, args.chat, args.system) for s in args.prompt]
     T = max(len(p) for p in encoded)
     if args.max_seq_length and args.max_seq_length > config.block_size:
         raise ValueError(f"--max_seq_length {args.max_seq_length} exceeds the model's block_size {config.block_size}")
@@ -410,8 +465,9 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         compile_s = time.perf_counter() - t0
         print(f"Compilation time: {compile_s:.2f} s")
 
-    eos_id = None if args.ignore_eos else tokenizer.eos_id
-    stream = args.batch_size == 1 and sys.stdout.isatty()
+    eos_ids, stop = None if args.ignore_eos else tokenizer.eos_ids, stop_strings(tokenizer, args.stop)
+    shown = [""] * len(args.prompt) if args.chat else args.prompt  # a chat prints the answer alone
+    stream = args.batch_size == 1 and sys.stdout.isatty() and not args.stop  # a stop string shows only at the end
     results, samples = [], []
     for i in range(args.num_samples):
         profile = args.profile is not None and i == args.num_samples - 1
@@ -419,13 +475,14 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         if prof is not None:
             prof.__enter__()
         if stream:
-            print(args.prompt[0], end="", flush=True)
-        result = loop(eos_id, make_streamer(tokenizer, prompts[0]) if stream else None)
+            print(shown[0], end="", flush=True)
+        result = loop(eos_ids, make_streamer(tokenizer, prompts[0]) if stream else None, stop)
         if prof is not None:
             prof.__exit__(None, None, None)
             cli.write_file(args.profile, lambda tmp: prof.export_chrome_trace(str(tmp)))
-        texts = [tokenizer.decode(p + r)[len(tokenizer.decode(p)):] for p, r in zip(prompts, result.rows)]
-        print() if stream else print_texts(args.prompt, texts)
+        texts = [cut_text(tokenizer.decode(p + r)[len(tokenizer.decode(p)):], args.stop)
+                 for p, r in zip(prompts, result.rows)]
+        print() if stream else print_texts(shown, texts)
         samples += [{"text": t, "tokens": r} for t, r in zip(texts, result.rows)]
         figures = result.metrics(model_bytes)
         if parallel:

@@ -126,13 +126,14 @@ class Threshold:
 
 @torch.no_grad()
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, draft=None,
-                         ngram: Optional[int] = None, adaptive: bool = False, eos_id: Optional[int] = None,
+                         ngram: Optional[int] = None, adaptive: bool = False, eos_ids=None,
                          callback: Optional[Callable] = None, steps: Steps = Steps(),
-                         agree: Optional[Callable] = None, **sampling) -> Generation:
+                         agree: Optional[Callable] = None, stop: Optional[Callable] = None, cached: int = 0,
+                         **sampling) -> Generation:
     """Batch-1 generation with a draft model (draft=...) or prompt lookup (ngram=...) proposing up to k tokens a
     round; with adaptive=True the draft's length is chosen each round by threshold decoding. callback, if given,
     sees the new tokens after every round. agree(values) -> values, if given, averages the adaptive rule's timings
-    over tensor-parallel ranks, so that every rank drafts alike."""
+    over tensor-parallel ranks, so that every rank drafts alike. eos_ids, stop and cached: as generate.generate."""
     if k < 1:
         raise ValueError(f"--speculate_k must be at least 1, got {k}")
     if (draft is None) == (ngram is None):
@@ -144,6 +145,8 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
             raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + speculate_k ({k}) + 1 "
                              f"exceeds the maximum sequence length {m.args.block_size}")
         if m.max_batch_size < 1 or m.max_seq_length < length:
+            if cached:
+                raise ValueError("cached tokens need a cache set up to hold the prompt, the new tokens and k + 1")
             m.setup_caches(1, length)
     rule = Threshold() if adaptive and draft is not None else None
     slots = torch.arange(length, device=device)  # positions are slices of this: no allocation or copy per step
@@ -152,23 +155,24 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     idx = torch.tensor([prompt], device=device)
     device_sync(device)
     t0 = time.perf_counter()
-    cur = steps.prefill(model, idx, slots[:T], None, kv_bucket(T, model.max_seq_length), **sampling)  # [1]
+    cur = steps.prefill(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length),
+                        **sampling)  # [1]
     if draft is not None:
-        steps.prefill(draft, idx, slots[:T], None, kv_bucket(T, draft.max_seq_length), **sampling)
+        steps.prefill(draft, idx[:, cached:], slots[cached:T], None, kv_bucket(T, draft.max_seq_length), **sampling)
     device_sync(device)
     prefill_s = time.perf_counter() - t0
-    out, emitted, accepted, drafted = [], [int(cur)], [0] * (k + 1), 0
+    out, emitted, accepted, drafted, eos = [], [int(cur)], [0] * (k + 1), 0, set(eos_ids or ())
     if emitted[0] == generate.NOT_FINITE:
         raise generate.not_finite(0)
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
         for token in emitted:
             out.append(token)
-            if token == eos_id or len(out) >= max_new_tokens:
+            if token in eos or len(out) >= max_new_tokens:
                 break
         if callback is not None:
             callback(out)
-        if out[-1] == eos_id or len(out) >= max_new_tokens:
+        if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out) < len(out):
             break
         t_round = time.perf_counter()
         if draft is not None:
@@ -203,9 +207,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     device_sync(device)
     decode_s = time.perf_counter() - t0 - prefill_s
     n_new = len(out)
-    if eos_id is not None and eos_id in out:
-        out = out[: out.index(eos_id)]
-    return Generation([out], T, prefill_s, decode_s, n_new - 1, sum(accepted), peak_memory_gb(device), drafted,
+    return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, n_new - 1, sum(accepted), peak_memory_gb(device), drafted,
                       accepted)
 
 
@@ -225,7 +227,7 @@ def load_draft(path, target_dir: Path, model: Transformer, device, dtype, cpu_ke
 
 
 def speculative_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, **sampling) -> Callable:
-    """generate.run's loop: (eos_id, callback) -> Generation. Without a proposer, plain decoding. Under tensor
+    """generate.run's loop: (eos_ids, callback, stop, cached, prompts) -> Generation. Without a proposer, plain decoding. Under tensor
     parallelism the draft is replicated on every rank."""
     if not (args.draft_checkpoint_path or args.prompt_lookup):
         return generate.plain_loop(args, model, prompts, parallel, **sampling)
@@ -234,9 +236,9 @@ def speculative_loop(args, model: Transformer, prompts: list[list[int]], paralle
                        model.norm.weight.dtype, args.cpu_kernels) if args.draft_checkpoint_path else None
     steps = build_steps(args.compile, args.compile_prefill)
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
-    return lambda eos_id, callback: speculative_generate(
+    return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: speculative_generate(
         model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup, not args.fixed_k,
-        eos_id, callback, steps, agree, **sampling)
+        eos_ids, callback, steps, agree, stop, cached, **sampling)
 
 
 def parser():

@@ -4,7 +4,8 @@
 The native directory holds:
   model.safetensors  native tensor names; q/k/v fused into one wqkv with RoPE pairs interleaved
   config.json        the flat fields of model.ModelArgs
-  tokenizer.model    copied byte-for-byte from the HF directory (or its original/ subfolder)
+  tokenizer.json or tokenizer.model (from original/ where Llama-3 keeps it), tokenizer_config.json,
+  generation_config.json, chat_template.jinja: copied byte-for-byte where present
 
 Accepted weights: model.safetensors, sharded safetensors (+ index), pytorch_model.bin or
 sharded pytorch_model-*.bin (+ index). Safetensors win when both are present. .bin files are
@@ -32,7 +33,7 @@ import cli  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-TOKENIZER_CANDIDATES = ("tokenizer.model", "original/tokenizer.model")
+TOKENIZER_CANDIDATES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
 WEIGHT_LAYOUTS = (  # (single file, index of shards), in order of preference
     ("model.safetensors", "model.safetensors.index.json"),
     ("pytorch_model.bin", "pytorch_model.bin.index.json"),
@@ -82,12 +83,18 @@ def check_hf_fields(config: dict, path):
                 raise ValueError(f"{path}: {key} must be {need[kind]}, got {value!r}; fix that field")
 
 
-def find_tokenizer(checkpoint_dir):
-    for name in TOKENIZER_CANDIDATES:
-        if (checkpoint_dir / name).is_file():
-            return checkpoint_dir / name
-    raise ValueError(f"no tokenizer found in {checkpoint_dir}: looked for "
-                     f"{' and '.join(TOKENIZER_CANDIDATES)} (tokenizer.json-only repos are not supported)")
+def find_tokenizer(checkpoint_dir) -> dict:
+    """The tokenizer files to copy, by name: tokenizer.json (it carries the added and special tokens) or else
+    tokenizer.model, and the companions that give the chat template and the end-of-sequence ids."""
+    files = checkpoint.tokenizer_files(checkpoint_dir)
+    if "tokenizer.json" in files:
+        files.pop(checkpoint.TOKENIZER, None)
+    elif checkpoint.TOKENIZER not in files and (checkpoint_dir / "original" / checkpoint.TOKENIZER).is_file():
+        files[checkpoint.TOKENIZER] = checkpoint_dir / "original" / checkpoint.TOKENIZER  # where Llama-3 keeps it
+    if not {"tokenizer.json", checkpoint.TOKENIZER} & files.keys():
+        raise ValueError(f"no tokenizer found in {checkpoint_dir}: looked for "
+                         f"{' and '.join(TOKENIZER_CANDIDATES)}")
+    return files
 
 
 def open_weights(checkpoint_dir):
@@ -186,11 +193,11 @@ def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
 
     # Validate everything before creating or touching anything in out_dir.
     args = read_model_args(checkpoint_dir)
-    tokenizer_path = find_tokenizer(checkpoint_dir)
-    inputs = (checkpoint_dir, tokenizer_path)
+    tokenizer = find_tokenizer(checkpoint_dir)
+    inputs = (checkpoint_dir, *tokenizer.values())
     checkpoint.check_writable(out_dir, force, inputs)
     tensors = convert_weights(open_weights(checkpoint_dir), args, dtype)
-    checkpoint.save(out_dir, args, tensors, tokenizer_path, {"format": "pt"}, force=force, inputs=inputs)
+    checkpoint.save(out_dir, args, tensors, tokenizer, {"format": "pt"}, force=force, inputs=inputs)
 
     n_params = sum(t.numel() for t in tensors.values())
     dtypes = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()}))
@@ -201,9 +208,10 @@ def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Convert a Hugging Face Llama checkpoint to the native format.")
     parser.add_argument("--checkpoint_dir", type=Path, required=True,
-                        help="HF model directory with config.json, weights and tokenizer.model (read only)")
+                        help="HF model directory with config.json, weights and tokenizer.json or tokenizer.model "
+                        "(read only)")
     parser.add_argument("--out_dir", type=Path, required=True,
-                        help="directory to write model.safetensors, config.json and tokenizer.model into")
+                        help="directory to write model.safetensors, config.json and the tokenizer files into")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="cast all weights to this dtype (default: keep the source dtype)")
     parser.add_argument("--force", action="store_true", help="replace an earlier converted checkpoint in "

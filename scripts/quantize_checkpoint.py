@@ -60,7 +60,7 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
     if mode == "int4-gptq":
         if calibration_texts is None:
             calibration_texts = read_texts(stdlib_files("heldout"), "the held-out split")
-        tokens = calibration_tokens(Tokenizer(ckpt_dir / checkpoint.TOKENIZER), calibration_texts, samples,
+        tokens = calibration_tokens(Tokenizer(checkpoint.tokenizer_path(ckpt_dir)), calibration_texts, samples,
                                     min(seq_len, model.args.block_size)).to(device)
         say(f"GPTQ on {tokens.size(0)} calibration windows of {tokens.size(1)} tokens")
         gptq = gptq_model(model, tokens, groupsize, progress=progress("GPTQ blocks"))
@@ -70,7 +70,7 @@ def quantize_checkpoint(checkpoint_path, mode: str, groupsize: int = 128, out_di
                 "source": str(ckpt_dir)}
     if mode != "int8":
         metadata["groupsize"] = str(groupsize)
-    checkpoint.save(out_dir, model.args, state, ckpt_dir / checkpoint.TOKENIZER, metadata, force=force,
+    checkpoint.save(out_dir, model.args, state, checkpoint.tokenizer_files(ckpt_dir), metadata, force=force,
                     inputs=[ckpt_dir])
     mb = lambda p: p.stat().st_size / 1e6  # noqa: E731
     say(f"Wrote {out_dir / 'model.safetensors'}: {mb(out_dir / 'model.safetensors'):.1f} MB "

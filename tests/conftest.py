@@ -86,3 +86,48 @@ def checkpoint(tmp_path_factory, sp_model_path):
 def errors_of(stderr: str) -> list[str]:
     """stderr's lines less warnings (a busy machine adds one about threads): what bad input must reduce to one."""
     return [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]
+
+
+# ---- a tokenizer.json model folder, as Hugging Face repos ship them -----------------------------------------------
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+          "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+HF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer.json (GPT-2 style, like SmolLM2's and Qwen's) with ChatML specials, its
+    tokenizer_config.json (chat template, BOS/EOS names) and a generation_config.json listing two EOS ids."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=HF_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    d = tmp_path_factory.mktemp("hf_tok")
+    tok.save(str(d / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
+              "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 256}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory, hf_tokenizer_dir):
+    """A converted tiny random Llama whose tokenizer is the tokenizer.json fixture, with its chat template."""
+    import shutil
+    hf_dir = tmp_path_factory.mktemp("hf_chat")
+    save_hf_llama(hf_dir, hf_tokenizer_dir / "tokenizer.json", vocab_size=400, bos_token_id=None, eos_token_id=2)
+    (hf_dir / "tokenizer.model").unlink()
+    for f in hf_tokenizer_dir.iterdir():
+        shutil.copy(f, hf_dir / f.name)
+    return convert(hf_dir, tmp_path_factory.mktemp("native_chat") / "ckpt")

@@ -46,7 +46,7 @@ def test_generate_works_out_of_the_box_with_the_builtin_model():
 def test_builtin_checkpoint_continues_a_function_with_an_indented_body(name):
     path = CHECKPOINTS[name]
     model, tokenizer = load_model(path, "cpu", torch.bfloat16), Tokenizer(path / "tokenizer.model")
-    rows = generate(model, [tokenizer.encode("def fibonacci(n):\n")], 30, eos_id=tokenizer.eos_id, temperature=0.0).rows
+    rows = generate(model, [tokenizer.encode("def fibonacci(n):\n")], 30, eos_ids=tokenizer.eos_ids, temperature=0.0).rows
     assert tokenizer.decode(rows[0]).startswith("    ")
 
 

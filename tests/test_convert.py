@@ -228,7 +228,8 @@ def test_force_replaces_an_earlier_conversion(hf_dir, tmp_path, native):
     out = convert_hf_checkpoint(hf_dir, tmp_path / "native2", dtype="bfloat16")
     convert_hf_checkpoint(hf_dir, out, force=True)
     assert_same_tensors(load_file(out / "model.safetensors"), native)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                    "tokenizer.model"]
 
 
 def test_force_refuses_a_directory_that_holds_no_earlier_checkpoint(hf_dir, tmp_path):

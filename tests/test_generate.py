@@ -43,14 +43,14 @@ def test_left_padded_rows_get_the_same_logits_as_alone(model32):
 def test_each_row_stops_at_its_own_eos(model32):
     full = generate(model32, PROMPTS, 30, temperature=0.0).rows
     eos = full[0][5]  # a token that row 0 emits early
-    rows = generate(model32, PROMPTS, 30, eos_id=eos, temperature=0.0).rows
+    rows = generate(model32, PROMPTS, 30, eos_ids=[eos], temperature=0.0).rows
     assert rows == [r[: r.index(eos)] if eos in r else r for r in full]
     assert len(rows[0]) == full[0].index(eos)
 
 
 def test_decoding_ends_early_once_every_row_has_stopped(model32):
     full = generate(model32, PROMPTS[:1], 40, temperature=0.0).rows
-    result = generate(model32, PROMPTS[:1], 40, eos_id=full[0][3], temperature=0.0)
+    result = generate(model32, PROMPTS[:1], 40, eos_ids=[full[0][3]], temperature=0.0)
     assert result.forwards < 39
 
 

@@ -101,3 +101,90 @@ def test_decode_of_truncated_multibyte_prefix_does_not_raise(tok, text):
     assert all(isinstance(p, str) for p in prefixes)
     assert any("\ufffd" in p for p in prefixes)
     assert prefixes[-1] == text
+
+
+# ---- tokenizer.json (Hugging Face tokenizers), its companions, and chat templates ---------------------------------
+
+MIXED = ("Grüße, 世界! Привет мир. مرحبا 👋🏽🚀 naïve café\n"
+         "def f(x):\n    return {'a': [1, 2.5e-3]}  # ok\n\tprint(f'{x!r}')\r\n<|im_end|> end")
+
+
+def test_tokenizer_json_ids_match_transformers_on_multilingual_code_and_emoji(hf_tokenizer_dir):
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    ours = Tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    text = MIXED.replace("<|im_end|>", "")  # transformers turns typed special names into ids; see the next test
+    assert ours.encode(text) == ref(text)["input_ids"]
+    assert ours.decode(ours.encode(text)) == ref.decode(ref(text)["input_ids"]) == text
+
+
+def test_special_names_typed_in_a_prompt_stay_text_but_become_ids_in_a_chat(hf_tokenizer_dir):
+    tok = Tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    end = tok.token_id("<|im_end|>")
+    assert end not in tok.encode("say <|im_end|> now")
+    assert end in tok.encode("say <|im_end|> now", specials=True)
+
+
+def test_every_eos_id_is_read_from_tokenizer_and_generation_config(hf_tokenizer_dir):
+    tok = Tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    assert tok.eos_ids == [tok.token_id("<|im_end|>"), 0]  # eos_token first, then generation_config's others
+    assert tok.bos_id is None  # this model has no BOS: its post-processor adds none, so neither do we
+
+
+def test_backend_is_chosen_by_content_not_name(hf_tokenizer_dir, tmp_path):
+    shutil.copy(hf_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.model")
+    assert Tokenizer(tmp_path / "tokenizer.model").encode("the fox") == \
+        Tokenizer(hf_tokenizer_dir / "tokenizer.json").encode("the fox")
+
+
+TEMPLATES = {
+    "chatml": None,  # the fixture's own
+    "loopcontrols_tojson_and_trim": (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{% continue %}{% endif %}\n"
+        "  [{{ m['role'] | upper }}] {{ m['content'] | tojson }}\n"
+        "{% if loop.index >= 3 %}{% break %}{% endif %}{% endfor %}{{ bos_token or '' }}{{ eos_token }}"),
+    "strftime_now": "Today is {{ strftime_now('%d %B %Y') }}.{% for m in messages %} {{ m.content }}{% endfor %}",
+}
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ça va? 👋"},
+            {"role": "tool", "content": "hidden"}, {"role": "assistant", "content": "Oui."},
+            {"role": "user", "content": "Et \"toi\"?"}]
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_as_transformers_does(hf_tokenizer_dir, name, add_generation_prompt):
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    tok = Tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    if TEMPLATES[name]:
+        ref.chat_template = tok.chat_template = TEMPLATES[name]
+    for messages in (MESSAGES, MESSAGES[1:2]):
+        want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert tok.apply_chat_template(messages, add_generation_prompt) == want
+
+
+def test_chat_template_raise_exception_is_one_error_line(hf_tokenizer_dir):
+    tok = Tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles must start with user') }}{% endif %}"
+    with pytest.raises(ValueError, match="chat template failed: roles must start with user"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+
+
+def test_chat_template_runs_sandboxed(hf_tokenizer_dir):
+    tok = Tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    tok.chat_template = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(ValueError, match="chat template failed"):
+        tok.apply_chat_template(MESSAGES)
+
+
+def test_chat_template_from_chat_template_jinja_wins(hf_tokenizer_dir, tmp_path):
+    for f in hf_tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    assert tok.apply_chat_template(MESSAGES[1:2]) == "<user>Ça va? 👋"
+
+
+def test_chat_without_template_is_refused(sp_model_path):
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(sp_model_path).apply_chat_template(MESSAGES)

@@ -1,0 +1,239 @@
+"""Chat with a model in the terminal, with its chat template. The KV cache is kept from turn to turn: each turn
+prefills only the tokens the cache does not already hold (the new user message, and whatever the template
+writes around it), so a long conversation does not get slower to answer. Commands: /reset, /system TEXT,
+/save FILE, /load FILE, /stats, /help, /quit. When standard input is not a terminal, each line is one user turn
+and each reply is printed on its own."""
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import checkpoint
+import cli
+import cpu_gemv
+import generate
+import speculative
+
+HISTORY = Path.home() / ".cache" / "fast-decode" / "chat_history"
+HELP = ("/reset  forget the conversation        /system TEXT  set the system message (and reset)\n"
+        "/save FILE  write the conversation as JSON   /load FILE  read one back\n"
+        "/stats  context use and the last turn's speed   /quit  leave (or Ctrl-D)")
+
+
+@dataclass
+class Conversation:
+    system: Optional[str] = None
+    turns: list[dict] = field(default_factory=list)  # user and assistant messages, alternating
+    cached: list[int] = field(default_factory=list)  # the tokens whose K/V the cache holds: token i in slot i
+
+    def messages(self, user: Optional[str] = None) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.turns + ([{"role": "user", "content": user}] if user is not None else [])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def fit_context(chat: Conversation, tokenizer, user: str, room: int) -> tuple[list[int], int]:
+    """The prompt for this turn, and how many of the oldest exchanges were dropped so that the prompt and the
+    reply fit in `room` tokens. The kept text is prefilled again from where it first differs from the cache."""
+    dropped = 0
+    while True:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(chat.messages(user)), bos=False, specials=True)
+        if len(ids) <= room or len(chat.turns) < 2:
+            return ids, dropped
+        del chat.turns[:2]
+        dropped += 1
+
+
+def answer(chat: Conversation, user: str, tokenizer, model, loop, args, out) -> Optional[dict]:
+    """One turn: prompt, reply (streamed to `out` if given), figures. None if the message cannot fit."""
+    room = model.max_seq_length - args.max_new_tokens - (args.speculate_k + 1 if args.prompt_lookup else 0)
+    ids, dropped = fit_context(chat, tokenizer, user, room)
+    if dropped:
+        print(f"(the context of {model.max_seq_length} tokens is full: dropped the oldest {dropped} exchange"
+              f"{'s' if dropped > 1 else ''}; /reset starts afresh)", file=sys.stderr)
+    if len(ids) > room:
+        raise ValueError(f"this message makes a prompt of {len(ids)} tokens, and with --max_new_tokens "
+                         f"{args.max_new_tokens} that exceeds the context of {model.max_seq_length}; /reset, or "
+                         f"write less")
+    cached = min(common_prefix(chat.cached, ids), len(ids) - 1)  # prefill needs at least one token to predict from
+    streamer = generate.make_streamer(tokenizer, ids) if out is not None else None
+    result = loop(None if args.ignore_eos else tokenizer.eos_ids, streamer, generate.stop_strings(tokenizer, args.stop),
+                  cached, [ids])
+    reply = result.rows[0]
+    text = generate.cut_text(tokenizer.decode(ids + reply)[len(tokenizer.decode(ids)):], args.stop)
+    chat.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+    chat.cached = ids + reply[:-1]  # fed back through the model: all but the last new token
+    m = result.metrics(0)
+    return {"prefill_tokens": result.prompt_tokens, "new_tokens": len(reply), "ttft_ms": m["ttft_ms"],
+            "decode_tokens_per_sec": m["decode_tokens_per_sec"], "context_tokens": len(ids) + len(reply),
+            "text": text}
+
+
+def command(line: str, chat: Conversation, stats: list[dict], model) -> bool:
+    """Run a /command; False on /quit."""
+    name, _, rest = line.partition(" ")
+    rest = rest.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/reset":
+        chat.turns, chat.cached = [], []
+        print("(conversation cleared)")
+    elif name == "/system":
+        chat.system, chat.turns = rest or None, []
+        print("(system message set; conversation cleared)" if rest else "(system message removed)")
+    elif name == "/save":
+        if not rest:
+            raise ValueError("/save needs a file name")
+        cli.check_output_file(Path(rest), "/save", '"messages"')
+        text = json.dumps({"system": chat.system, "messages": chat.turns}, indent=2, ensure_ascii=False)
+        cli.write_file(Path(rest), lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
+        print(f"(saved {len(chat.turns)} messages to {rest})")
+    elif name == "/load":
+        chat.system, chat.turns = read_conversation(Path(rest))
+        print(f"(loaded {len(chat.turns)} messages; the next turn prefills them)")
+    elif name == "/stats":
+        last = stats[-1] if stats else None
+        print(f"(context: {last['context_tokens'] if last and chat.turns else 0} of {model.max_seq_length} tokens"
+              + (f"; last turn: prefill {last['prefill_tokens']} tokens, time to first token "
+                 f"{last['ttft_ms']:.0f} ms, {last['new_tokens']} new tokens at "
+                 f"{last['decode_tokens_per_sec']:.1f} tokens/sec)" if last else ")"))
+    else:
+        print(HELP)
+    return True
+
+
+def read_conversation(path: Path) -> tuple[Optional[str], list[dict]]:
+    data = json.loads(cli.check_text_file(path, "/load").read_text(encoding="utf-8") or "null")
+    turns = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("role") in ("user", "assistant")
+                                              and isinstance(t.get("content"), str) for t in turns):
+        raise ValueError(f"{path} is not a conversation saved by /save")
+    system = data.get("system")
+    return system if isinstance(system, str) else None, turns
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
+    p.add_argument("--checkpoint_path", type=Path, required=True, help="a checkpoint whose tokenizer has a chat "
+                   "template (tokenizer_config.json or chat_template.jinja)")
+    p.add_argument("--system", metavar="TEXT", help="the system message")
+    p.add_argument("--max_new_tokens", type=cli.positive_int, default=512, help="the longest reply")
+    p.add_argument("--max_seq_length", type=cli.positive_int, help="the context, in tokens, kept in the KV cache "
+                   "(default: the model's, at most 4096)")
+    p.add_argument("--temperature", type=cli.finite_float, default=0.7, help="0 is greedy (exact argmax)")
+    p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample among the most likely tokens that "
+                   "hold this much probability, in (0, 1]")
+    p.add_argument("--seed", type=int, default=1234, help="random seed")
+    p.add_argument("--stop", action="append", metavar="STRING", help="end a reply at this text; may be repeated")
+    p.add_argument("--ignore_eos", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="bfloat16", choices=list(generate.DTYPES), help="weight and activation dtype")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="as generate.py")
+    p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
+    p.add_argument("--compile_prefill", action="store_true", help="compile prefill with dynamic shapes")
+    p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="speculate by looking the last N "
+                   "tokens up in the conversation (good when replies quote it)")
+    p.add_argument("--speculate_k", type=cli.positive_int, default=8, help="with --prompt_lookup: tokens per guess")
+    p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write each turn's prefill_tokens, "
+                   "new_tokens, ttft_ms and decode_tokens_per_sec as JSON, after every turn")
+    p.set_defaults(draft_checkpoint_path=None, fixed_k=False)
+    return cli.one_line_errors(p)
+
+
+def load(args):
+    """The checked model, tokenizer and decode loop; every check runs before any weight is read."""
+    device, dtype = generate.resolve_device(args.device), generate.DTYPES[args.dtype]
+    config = checkpoint.plan(args.checkpoint_path, device, dtype)
+    tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
+    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # no template: fail now, with one line
+    length = args.max_seq_length or min(config.block_size, 4096)
+    if length > config.block_size:
+        raise ValueError(f"--max_seq_length {length} exceeds the model's block_size {config.block_size}")
+    if args.max_new_tokens >= length:
+        raise ValueError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
+                         f"{length}")
+    checkpoint.plan(args.checkpoint_path, device, dtype, 1, length, min(length, 2048))
+    if device.type == "cpu":
+        cli.set_threads(args.threads, 1)
+    model = checkpoint.load_model(args.checkpoint_path, device, dtype, args.cpu_kernels)
+    model.setup_caches(1, length)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    loop = speculative.speculative_loop(args, model, [[0]], None, **sampling)
+    kernels = f"; {cpu_gemv.describe(model)}" if device.type == "cpu" else ""
+    print(f"Loaded {args.checkpoint_path} on {device}, {args.dtype}{kernels}; context {length} tokens", file=sys.stderr)
+    if args.compile or args.compile_prefill:
+        t0 = time.perf_counter()  # one untimed reply compiles the steps (and records the CUDA graphs)
+        loop(None, None, None, 0, [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]),
+                                                    bos=False, specials=True)])
+        print(f"Compilation time: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return model, tokenizer, loop
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("--temperature must be >= 0 and --top_p in (0, 1]")
+    cli.check_output_file(args.metrics_json, "--metrics_json", '"turns"')
+    interactive = sys.stdin.isatty()
+    model, tokenizer, loop = load(args)
+    torch.manual_seed(args.seed)
+    chat, stats = Conversation(system=args.system), []
+    if interactive:
+        history()
+        print("Type a message, or /help.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            continue
+        try:
+            if line.startswith("/"):
+                if not command(line.strip(), chat, stats, model):
+                    break
+                continue
+            turn = answer(chat, line, tokenizer, model, loop, args, sys.stdout if interactive else None)
+        except ValueError as e:
+            if not interactive:
+                raise  # a script's bad line ends the run with one error line and status 2
+            print(f"error: {cli.first_line(e)}", file=sys.stderr)
+            continue
+        print("" if interactive else turn["text"], flush=True)
+        stats.append({k: v for k, v in turn.items() if k != "text"})
+        if args.metrics_json:
+            text = json.dumps({"turns": stats}, indent=2)
+            cli.write_file(args.metrics_json, lambda tmp: tmp.write_text(text))
+
+
+def history():
+    """Up-arrow recalls earlier messages, also from earlier sessions."""
+    try:
+        import atexit
+        import readline
+    except ImportError:  # Windows has no readline: plain input still works
+        return
+    try:
+        HISTORY.parent.mkdir(parents=True, exist_ok=True)
+        if HISTORY.is_file():
+            readline.read_history_file(HISTORY)
+        atexit.register(lambda: readline.write_history_file(HISTORY))
+    except OSError:
+        pass  # an unwritable home: history for this session only
+
+
+if __name__ == "__main__":
+    cli.run_main(main)

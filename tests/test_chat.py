@@ -1,0 +1,78 @@
+"""chat.py: a conversation on standard input, one reply per line, with the KV cache kept between turns."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from checkpoint import load_tokenizer, read_config
+from conftest import errors_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chat(ckpt, lines, *flags, tmp=None):
+    metrics = (tmp / "m.json") if tmp else None
+    cmd = [sys.executable, str(ROOT / "chat.py"), "--checkpoint_path", str(ckpt), "--temperature", "0",
+           "--max_new_tokens", "6", *flags] + (["--metrics_json", str(metrics)] if metrics else [])
+    r = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=600)
+    turns = json.loads(metrics.read_text())["turns"] if metrics and metrics.exists() else None
+    return r, turns
+
+
+def test_second_turn_prefills_only_its_new_tokens(chat_checkpoint, tmp_path):
+    r, turns = chat(chat_checkpoint, ["the quick brown fox", "jumps over the lazy dog"], tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    tok = load_tokenizer(chat_checkpoint, read_config(chat_checkpoint))
+    first = tok.encode(tok.apply_chat_template([{"role": "user", "content": "the quick brown fox"}]),
+                       bos=False, specials=True)
+    assert turns[0]["prefill_tokens"] == len(first)
+    new_message = len(tok.encode("jumps over the lazy dog", bos=False))
+    # the new message and the template's few tokens around it; the first turn is not computed again
+    assert new_message <= turns[1]["prefill_tokens"] <= turns[1]["context_tokens"] - len(first)
+    assert len(r.stdout.splitlines()) >= 2 and all(t["new_tokens"] >= 1 for t in turns)
+
+
+def test_full_context_drops_the_oldest_exchange_and_goes_on(chat_checkpoint, tmp_path):
+    lines = ["the quick brown fox jumps over the lazy dog"] * 4
+    r, turns = chat(chat_checkpoint, lines, "--max_seq_length", "80", tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "dropped the oldest" in r.stderr and len(turns) == 4
+    assert max(t["context_tokens"] for t in turns) <= 80
+
+
+def test_prompt_lookup_gives_the_same_greedy_replies(chat_checkpoint):
+    lines = ["def f(x): return x + 1", "def f(x): return x + 1"]
+    plain, _ = chat(chat_checkpoint, lines)
+    guessed, _ = chat(chat_checkpoint, lines, "--prompt_lookup", "2", "--speculate_k", "4")
+    assert guessed.returncode == 0, guessed.stderr
+    assert guessed.stdout == plain.stdout
+
+
+def test_compiled_chat_gives_the_same_greedy_replies(chat_checkpoint):
+    lines = ["the quick brown fox", "print the value"]
+    plain, _ = chat(chat_checkpoint, lines, "--dtype", "float32")  # float32: bf16 rounds differently compiled
+    compiled, _ = chat(chat_checkpoint, lines, "--dtype", "float32", "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == plain.stdout
+
+
+def test_save_and_load_restore_the_conversation(chat_checkpoint, tmp_path):
+    saved = tmp_path / "talk.json"
+    r, _ = chat(chat_checkpoint, ["/system Be brief.", "the quick brown fox", f"/save {saved}"])
+    assert r.returncode == 0, r.stderr
+    data = json.loads(saved.read_text())
+    assert data["system"] == "Be brief." and [m["role"] for m in data["messages"]] == ["user", "assistant"]
+    r2, _ = chat(chat_checkpoint, [f"/load {saved}", f"/save {tmp_path / 'again.json'}"])
+    assert json.loads((tmp_path / "again.json").read_text()) == data
+
+
+def test_a_bad_line_in_a_script_is_one_error_and_status_2(chat_checkpoint, tmp_path):
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "wizard"}]}')
+    r, _ = chat(chat_checkpoint, [f"/load {tmp_path / 'bad.json'}"])
+    assert r.returncode == 2 and errors_of(r.stderr)[-1:] == [f"error: {tmp_path / 'bad.json'} is not a "
+                                                              f"conversation saved by /save"]
+
+
+def test_a_model_without_chat_template_is_refused(checkpoint):
+    r, _ = chat(checkpoint, ["hello"])
+    assert r.returncode == 2 and len(errors_of(r.stderr)) == 1 and "no chat template" in r.stderr
