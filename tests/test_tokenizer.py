@@ -188,3 +188,20 @@ def test_chat_template_from_chat_template_jinja_wins(hf_tokenizer_dir, tmp_path)
 def test_chat_without_template_is_refused(sp_model_path):
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(sp_model_path).apply_chat_template(MESSAGES)
+
+
+def test_a_tokenizer_json_that_adds_bos_matches_transformers(hf_tokenizer_dir, tmp_path):
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    hf = HFTokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    hf.save(str(tmp_path / "tokenizer.json"))  # as Llama-3's tokenizer.json adds <|begin_of_text|>
+    config = json.loads((hf_tokenizer_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|endoftext|>"}))
+    ours, ref = Tokenizer(tmp_path / "tokenizer.json"), AutoTokenizer.from_pretrained(tmp_path)
+    text = MIXED.replace("<|im_end|>", "")
+    assert ours.encode(text) == ref(text)["input_ids"] and ours.encode(text)[0] == ours.bos_id == 0
+    assert ours.encode(text, bos=False) == ref(text, add_special_tokens=False)["input_ids"]
