@@ -93,7 +93,9 @@ def check_config(cfg, where: str) -> ModelArgs:
                        "and original_max_position_embeddings")
         elif key == "rope_base" and value <= 0 or key == "norm_eps" and not 0 < value < 1:
             problem = f"is out of range: {value!r}"
-        elif kind is int and value < 1 and key not in ("n_kv_head", "head_dim", "intermediate_size"):
+        elif key == "sliding_window" and value < 0:
+            problem = f"must be 0 (no window) or a positive whole number, got {value}"
+        elif kind is int and value < 1 and key not in ("n_kv_head", "head_dim", "intermediate_size", "sliding_window"):
             problem = f"must be at least 1, got {value}"
         if problem:
             raise ValueError(f"{where}: {key} {problem}; fix that field")

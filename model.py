@@ -28,6 +28,8 @@ class ModelArgs:
     norm_eps: float = 1e-5
     block_size: int = 2048  # the longest context the model takes: the RoPE table and any cache stop here
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: q, k and v projections add a bias (o_proj does not)
+    sliding_window: int = 0  # 0: none; else token i attends to positions i - sliding_window < j <= i (Mistral)
 
     def __post_init__(self):
         if self.n_kv_head == -1:
@@ -40,6 +42,8 @@ class ModelArgs:
                  self.intermediate_size, self.block_size)
         if min(sizes) < 1:
             raise ValueError(f"model sizes must be positive: {self}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window {self.sliding_window} must be 0 (none) or positive")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
         if self.head_dim % 2:
@@ -55,11 +59,21 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Any Llama-architecture Hugging Face config.json (transformers 4 or 5 layout)."""
-        if cfg.get("model_type") not in ("llama", "mistral"):
-            raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Llama-architecture model")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias") or cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError("biases or a non-SiLU activation are not part of the Llama architecture")
+        """Any Hugging Face config.json (transformers 4 or 5 layout) of the Llama layout, whatever its model_type:
+        SiLU, RMSNorm, RoPE, and at most one sliding window shared by every layer (Mistral). qkv_bias (Qwen2) is not
+        a config field there: the converter reads it from the weights."""
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only SiLU, as in Llama)")
+        if cfg.get("attention_bias"):  # every transformers model with this flag puts a bias on o_proj too
+            raise ValueError("attention_bias: o_proj biases are not supported (q/k/v biases, as in Qwen2, are)")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias: MLP biases are not supported")
+        # fields that rescale what the same tensors compute (Granite's multipliers, Gemma-2's soft caps, SmolLM3's
+        # layers without RoPE): the weights would load and the model would silently compute something else
+        odd = [k for k, v in cfg.items() if v is not None and (k.startswith("no_rope") or k.endswith(
+               ("_multiplier", "_softcapping", "logits_scaling")))]
+        if odd:
+            raise ValueError(f"config field {odd[0]} changes what the weights compute; not part of the Llama layout")
         missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
                    if k not in cfg]
         if missing:
@@ -70,18 +84,27 @@ class ModelArgs:
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"rope scaling {rope_type!r} is not supported (only Llama-3.1 'llama3')")
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        block_size = cfg.get("max_position_embeddings", 2048)
-        if cfg.get("sliding_window"):  # no sliding-window attention here, so stay within the window where it is exact
-            block_size = min(block_size, cfg["sliding_window"])
-        n_head = cfg["num_attention_heads"]
+        n_head, n_layer = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:  # Qwen2's older layout
+            types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n_layer)]
+        kinds = set(types or ())
+        if len(kinds) > 1:
+            raise ValueError(f"layers mix {' and '.join(sorted(kinds))}; only one attention kind for every layer "
+                             f"is supported")
+        if kinds - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"layer_types {kinds.pop()!r} is not supported (full_attention or sliding_attention)")
+        # Qwen2 sets sliding_window but slides only with use_sliding_window; layer_types, where given, decides
+        slides = cfg.get("use_sliding_window") is not False and kinds != {"full_attention"}
+        window = cfg.get("sliding_window") if slides else 0
         return cls(
-            vocab_size=cfg["vocab_size"], n_layer=cfg["num_hidden_layers"], n_head=n_head,
+            vocab_size=cfg["vocab_size"], n_layer=n_layer, n_head=n_head,
             n_kv_head=cfg.get("num_key_value_heads") or n_head, dim=cfg["hidden_size"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, intermediate_size=cfg["intermediate_size"],
             rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling={k: scaling[k] for k in keys} if rope_type == "llama3" else None,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), block_size=block_size,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), block_size=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window or 0)  # null: none
 
 
 _llama31_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
@@ -168,14 +191,19 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         # one fused matmul for q, k and v: a single pass over the input instead of three
-        self.wqkv = nn.Linear(args.dim, (args.n_head + 2 * args.n_kv_head) * args.head_dim, bias=False)
+        qkv_rows = (args.n_head + 2 * args.n_kv_head) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_rows, bias=False)
+        # the bias (Qwen2) is a parameter of its own, rows in wqkv's order, not the Linear's: the quantized and
+        # kernel layers that replace nn.Linear then need no bias support, and it stays float
+        self.register_parameter("bqkv", nn.Parameter(torch.zeros(qkv_rows)) if args.qkv_bias else None)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
         B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, L <= max_seq_length] or None for plain causal
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.wqkv(x) if self.bqkv is None else self.wqkv(x) + self.bqkv  # [B, S, q_size + 2 * kv_size]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs_cis)
         k = apply_rotary_emb(k.view(B, S, self.n_kv_head, self.head_dim), freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -248,11 +276,15 @@ class Transformer(nn.Module):
         tokens, which are masked out and shift that row's RoPE positions so it sees exactly what it would alone.
         kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
         cache slots (see kv_bucket). The default is the whole cache.
-        Without input_pos, run plain causal attention over idx and touch no cache (training, perplexity)."""
+        Without input_pos, run causal (and sliding-window) attention over idx and touch no cache (training,
+        perplexity)."""
         if input_pos is None:
-            freqs_cis = precompute_freqs_cis(idx.size(1), self.args.head_dim, self.args.rope_base,
-                                             self.args.rope_scaling, idx.device)[None]
-            mask = None
+            S = idx.size(1)
+            freqs_cis = precompute_freqs_cis(S, self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
+                                             idx.device)[None]
+            # is_causal (mask None) lets SDPA pick its fused kernels; a mask only where the window cuts something
+            cut = 0 < self.args.sliding_window < S
+            mask = self.cache_mask(torch.arange(S, device=idx.device), None, S) if cut else None  # [1, 1, S, S]
         else:
             if self.freqs_cis is None:
                 raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
@@ -268,6 +300,8 @@ class Transformer(nn.Module):
         # built from input_pos each call rather than sliced from an [L, L] table: that table is 17 GB at L = 128k
         slots = torch.arange(kv_len, device=input_pos.device)
         mask = slots <= input_pos[:, None]  # [S, L] causal over cache slots
+        if self.args.sliding_window:  # every slot stays cached; the window only hides the old ones, so it is exact
+            mask = mask & (slots > input_pos[:, None] - self.args.sliding_window)
         if left_pad is not None:
             # hide each row's pad slots; a pad query still sees itself, so no softmax row is empty (that gives NaN)
             mask = mask & ((slots >= left_pad[:, None, None]) | (slots == input_pos[:, None]))  # [B, S, L]

@@ -2,10 +2,10 @@
 or gloo with CPU processes.
 
 Each rank holds 1/W of every transformer layer: wqkv, w1 and w3 are split by output rows (column-parallel; q, k
-and v each by heads), wo and w2 by input columns (row-parallel), and the partial outputs of wo and w2 are summed
-by an all-reduce. A layer thus needs two all-reduces of [B, S, dim] and reads only its own 1/W of the weights.
-The embedding and the output head are replicated: every rank computes identical logits and, seeded alike,
-samples the same token, so no rank waits for another to broadcast it.
+and v each by heads, and wqkv's bias bqkv alike), wo and w2 by input columns (row-parallel), and the partial
+outputs of wo and w2 are summed by an all-reduce. A layer thus needs two all-reduces of [B, S, dim] and reads only
+its own 1/W of the weights. The embedding and the output head are replicated: every rank computes identical logits
+and, seeded alike, samples the same token, so no rank waits for another to broadcast it.
 
 The split is done on the checkpoint's tensors before they reach the device, so a rank never holds the whole
 model; the local model is built from `local_args`, whose head counts and feed-forward width are 1/W of the full
@@ -83,7 +83,7 @@ def shard_state(state: dict, args, rank: int, world: int, device) -> dict:
     out = {}
     for key, t in state.items():
         layer = key.rsplit(".", 1)[0]
-        if layer.endswith(COLUMN[0]):  # q, k and v are stacked: take this rank's heads of each
+        if layer.endswith(COLUMN[0]) or key.endswith(".bqkv"):  # q, k and v are stacked: this rank's heads of each
             t = torch.cat([part.chunk(world, 0)[rank] for part in t.split(qkv, 0)])
         elif layer.endswith(COLUMN[1:]):
             t = t.chunk(world, 0)[rank]

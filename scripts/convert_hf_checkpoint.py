@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Convert a Hugging Face Llama checkpoint into this repo's native checkpoint directory.
+"""Convert a Hugging Face checkpoint of the Llama layout (Llama 2/3, Mistral, Qwen2) into this repo's native
+checkpoint directory. The architecture is read from config.json's fields and the tensors present, not its name.
 
 The native directory holds:
   model.safetensors  native tensor names; q/k/v fused into one wqkv with RoPE pairs interleaved
@@ -43,8 +44,10 @@ HF_FIELDS = {  # the config fields read, and what each must be
     int: ("vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
           "intermediate_size", "max_position_embeddings", "sliding_window"),
     float: ("rope_theta", "rms_norm_eps"),
-    bool: ("tie_word_embeddings", "attention_bias", "mlp_bias"),
+    bool: ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
+    list: ("layer_types",),
 }
+QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")  # Qwen2's, the only ones
 
 
 def read_json(path):
@@ -54,7 +57,8 @@ def read_json(path):
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def read_model_args(checkpoint_dir):
+def read_model_args(checkpoint_dir, names=()):
+    """ModelArgs from config.json, and from the tensor names: q/k/v biases are in no config field (Qwen2)."""
     path = checkpoint_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"config.json not found in {checkpoint_dir}")
@@ -66,6 +70,11 @@ def read_model_args(checkpoint_dir):
         args = ModelArgs.from_hf_config(config)
     except (KeyError, TypeError, AttributeError) as e:  # a field missing or of the wrong type
         raise ValueError(f"{path}: missing or malformed field {e}") from None
+    other_bias = next((k for k in names if k.endswith(".bias") and not k.endswith(QKV_BIASES)), None)
+    if other_bias:  # refused before any layer is converted: o_proj and MLP biases are not in the model
+        raise ValueError(f"tensor {other_bias!r} is a bias this model lacks; only q_proj, k_proj and v_proj may "
+                         f"have one (as in Qwen2)")
+    args.qkv_bias = any(k.endswith(QKV_BIASES) for k in names)
     return checkpoint.check_config(dataclasses.asdict(args), f"{path} (as converted)")
 
 
@@ -77,9 +86,10 @@ def check_hf_fields(config: dict, path):
             if value is None:
                 continue
             ok = type(value) is kind or kind is float and type(value) is int
-            ok = ok and (kind is bool or math.isfinite(value) and value > 0)
+            ok = ok and (kind in (bool, list) or math.isfinite(value) and value > 0)
             if not ok:
-                need = {int: "a positive whole number", float: "a positive finite number", bool: "true or false"}
+                need = {int: "a positive whole number", float: "a positive finite number", bool: "true or false",
+                        list: "a list"}
                 raise ValueError(f"{path}: {key} must be {need[kind]}, got {value!r}; fix that field")
 
 
@@ -158,6 +168,11 @@ def convert_weights(weights, args, dtype):
         q = unpermute_rope(read(hf + "self_attn.q_proj.weight", q_rows, dim), args.n_head, args.head_dim)
         k = unpermute_rope(read(hf + "self_attn.k_proj.weight", kv_rows, dim), args.n_kv_head, args.head_dim)
         v = read(hf + "self_attn.v_proj.weight", kv_rows, dim)  # v is not rotated: HF's row order is ours
+        if args.qkv_bias:  # a bias is one more input column: its q and k rows are permuted as the weights' are
+            bq = unpermute_rope(read(hf + "self_attn.q_proj.bias", q_rows)[:, None], args.n_head, args.head_dim)
+            bk = unpermute_rope(read(hf + "self_attn.k_proj.bias", kv_rows)[:, None], args.n_kv_head, args.head_dim)
+            bv = read(hf + "self_attn.v_proj.bias", kv_rows)
+            out[native + "attention.bqkv"] = torch.cat([bq[:, 0], bk[:, 0], bv])  # wqkv's row order: q, k, v
         out[native + "attention_norm.weight"] = read(hf + "input_layernorm.weight", dim)
         out[native + "attention.wqkv.weight"] = torch.cat([q, k, v], dim=0)
         out[native + "attention.wo.weight"] = read(hf + "self_attn.o_proj.weight", dim, q_rows)
@@ -192,11 +207,12 @@ def convert_hf_checkpoint(checkpoint_dir, out_dir, dtype=None, force=False):
         raise ValueError(f"checkpoint directory {checkpoint_dir} does not exist")
 
     # Validate everything before creating or touching anything in out_dir.
-    args = read_model_args(checkpoint_dir)
+    weights = open_weights(checkpoint_dir)  # only the names are read here; each tensor when it is converted
+    args = read_model_args(checkpoint_dir, weights)
     tokenizer = find_tokenizer(checkpoint_dir)
     inputs = (checkpoint_dir, *tokenizer.values())
     checkpoint.check_writable(out_dir, force, inputs)
-    tensors = convert_weights(open_weights(checkpoint_dir), args, dtype)
+    tensors = convert_weights(weights, args, dtype)
     checkpoint.save(out_dir, args, tensors, tokenizer, {"format": "pt"}, force=force, inputs=inputs)
 
     n_params = sum(t.numel() for t in tensors.values())

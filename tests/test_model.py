@@ -122,8 +122,9 @@ def test_from_hf_config_reads_transformers4_and_5_layouts_alike():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(model_type="gpt2"), "Llama-architecture"),
-    (dict(attention_bias=True), "biases"),
+    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act"),
+    (dict(attention_bias=True), "o_proj"),
+    (dict(embedding_multiplier=12.0), "embedding_multiplier"),  # Granite: Llama's tensors, other arithmetic
     (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "yarn"),
 ])
 def test_from_hf_config_rejects_other_architectures(change, message):
@@ -133,11 +134,12 @@ def test_from_hf_config_rejects_other_architectures(change, message):
         ModelArgs.from_hf_config({**cfg, **change})
 
 
-def test_mistral_sliding_window_caps_the_sequence_length():
+def test_mistral_sliding_window_is_kept_and_does_not_cap_the_sequence_length():
     cfg = dict(model_type="mistral", vocab_size=32000, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
                rms_norm_eps=1e-5, sliding_window=4096)
-    assert ModelArgs.from_hf_config(cfg) == ModelArgs.from_name("Mistral-7B")
+    expected = dataclasses.replace(ModelArgs.from_name("Mistral-7B"), block_size=32768, sliding_window=4096)
+    assert ModelArgs.from_hf_config(cfg) == expected
 
 
 # Published parameter counts (billions) of the checkpoints the named configs describe.
