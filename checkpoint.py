@@ -147,18 +147,27 @@ def read_weights(weights: Path, device, dtype) -> dict:
         raise ValueError(f"cannot read {weights} (truncated or not a weights file): {str(e).splitlines()[0]}") from None
 
 
-def meta_model(args: ModelArgs, quantization: Optional[tuple[str, int]]) -> Transformer:
+def meta_model(args: ModelArgs, quantization: Optional[tuple[str, int]], names=None) -> Transformer:
+    """names: the file's tensor names, which say each layer's kind where a file mixes them (quantize.install)."""
     with torch.device("meta"):
         model = Transformer(args)
         if quantization:  # int8/int4 layers in place of nn.Linear; the file's metadata says which
-            quantize.install(model, *quantization)
+            quantize.install(model, *quantization, names)
     return model
+
+
+def float_head(model: Transformer) -> bool:
+    return type(model.output) is torch.nn.Linear
 
 
 def check_state(state: dict, args: ModelArgs, quantization, what: str):
     """Raise if the tensors are not exactly those the config (and quantization) describe."""
-    expected = meta_model(args, quantization).state_dict()
-    if args.tie_embeddings and not quantization:  # a quantized head is stored apart from the embedding
+    model = meta_model(args, quantization, state.keys())
+    kinds = {type(m) for m in model.modules()}
+    if quantization and {"int8": quantize.Int8Linear, "int4": quantize.Int4Linear}[quantization[0]] not in kinds:
+        raise ValueError(f"{what} disagree: no layer holds {quantization[0]} tensors")
+    expected = model.state_dict()
+    if args.tie_embeddings and float_head(model):  # a quantized head is stored apart from the embedding
         expected.pop("output.weight")
     for k in sorted(expected.keys() | state.keys()):
         if k not in state or k not in expected:
@@ -271,9 +280,9 @@ def load_tokenizer(checkpoint_path, args: ModelArgs) -> Tokenizer:
 
 def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels: str = "auto") -> Transformer:
     """The model holding `state`, with the device's fastest kernels installed."""
-    model = meta_model(args, quantization)
+    model = meta_model(args, quantization, state.keys())
     model.load_state_dict(state, assign=True, strict=False)
-    if args.tie_embeddings and not quantization:  # assign replaced the shared Parameter, so tie it again
+    if args.tie_embeddings and float_head(model):  # assign replaced the shared Parameter, so tie it again
         model.output.weight = model.tok_embeddings.weight
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cpu_kernels != "off":
         cpu_gemv.install(model)  # first: it takes the int4 layers it reads in their stored layout

@@ -8,6 +8,8 @@ The checkpoint file is the same on every device (safetensors; mode and group siz
   int4: NAME.weight uint8 [N, K'/2], NAME.scales, NAME.zeros bf16 [N, K'/G];  w = (q - 8) * scale + zero
         where q in 0..15 is two to a byte, column 2j in the low nibble and 2j+1 in the high one, and K' is K
         rounded up to a multiple of G with zero columns. Packing into a kernel's layout happens at load time.
+Scales and zeros may also be float32 (a GGUF import keeps Q4_0/Q4_1's exactly that way); loading casts them to
+the runtime dtype. A file may mix kinds per layer (see install): the metadata names the most common mode.
 """
 from typing import Optional
 
@@ -132,14 +134,21 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def install(model: nn.Module, mode: str, groupsize: int) -> nn.Module:
-    """Swap every nn.Linear (the output head too) for its quantized twin, in place; run on the meta device."""
+def install(model: nn.Module, mode: str, groupsize: int, names=None, prefix: str = "") -> nn.Module:
+    """Swap every nn.Linear (the output head too) for its quantized twin, in place; run on the meta device.
+    names, the tensor names in a checkpoint file, make the kind per layer, for files that mix them (a GGUF import:
+    int4 layers and an int8 head): a Linear whose NAME.zeros is there becomes Int4Linear, NAME.scales alone
+    Int8Linear, neither stays nn.Linear. Without names every Linear becomes `mode`'s."""
     for name, child in model.named_children():
-        if isinstance(child, nn.Linear):
-            k, n = child.in_features, child.out_features
-            setattr(model, name, Int8Linear(k, n) if mode == "int8" else Int4Linear(k, n, groupsize))
-        else:
-            install(child, mode, groupsize)
+        full = prefix + name
+        if not isinstance(child, nn.Linear):
+            install(child, mode, groupsize, names, full + ".")
+            continue
+        kind = mode if names is None else "int4" if f"{full}.zeros" in names else \
+            "int8" if f"{full}.scales" in names else None
+        k, n = child.in_features, child.out_features
+        if kind:
+            setattr(model, name, Int8Linear(k, n) if kind == "int8" else Int4Linear(k, n, groupsize))
     return model
 
 
