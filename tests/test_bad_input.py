@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import errors_of, save_hf_llama
+from conftest import errors_of, save_hf_llama, write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = 20 * 2**30  # sparse files this large take no disk space
@@ -98,6 +98,12 @@ def with_tokenizer(ckpt, tmp, tokenizer):
     return d
 
 
+def truncated_gguf(tmp):
+    path = write_tiny_gguf(tmp / "m.gguf")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
+
+
 def user_folder(tmp, *names):
     d = tmp / "mine"
     for n in names:
@@ -108,6 +114,7 @@ def user_folder(tmp, *names):
 
 GEN, QUANT, CONVERT, EVAL, SPEC = ("generate.py", "scripts/quantize_checkpoint.py",
                                    "scripts/convert_hf_checkpoint.py", "eval.py", "speculative.py")
+GGUF = "scripts/convert_gguf.py"
 TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "scripts/bench_quantize.py",
                                   "scripts/bench_speculative.py")
 N = ("--max_new_tokens", 4)
@@ -201,6 +208,20 @@ ROWS = {
                                      "is the input"),
     "convert_into_a_users_folder": (CONVERT, lambda t, c, s: ["--checkpoint_dir", hf(t, s),
                                                               "--out_dir", user_folder(t, "notes.md")], "not empty"),
+    # GGUF import
+    "gguf_not_a_gguf_file": (GGUF, lambda t, c, s: ["--gguf", c / "model.safetensors", "--out_dir", t / "o"],
+                             "not a GGUF file"),
+    "gguf_missing_file": (GGUF, lambda t, c, s: ["--gguf", t / "none.gguf", "--out_dir", t / "o"], "not found"),
+    "gguf_truncated": (GGUF, lambda t, c, s: ["--gguf", truncated_gguf(t), "--out_dir", t / "o"], "truncated"),
+    "gguf_unsupported_architecture": (GGUF, lambda t, c, s: ["--gguf", write_tiny_gguf(t / "m.gguf", arch="falcon"),
+                                                             "--out_dir", t / "o"], "architecture 'falcon'"),
+    "gguf_sentencepiece_without_tokenizer": (GGUF, lambda t, c, s: ["--gguf", write_tiny_gguf(t / "m.gguf",
+                                                                                              tokenizer="llama"),
+                                                                    "--out_dir", t / "o"], "--tokenizer PATH"),
+    "gguf_unknown_pre_tokenizer": (GGUF, lambda t, c, s: ["--gguf", write_tiny_gguf(t / "m.gguf", pre="viking"),
+                                                          "--out_dir", t / "o"], "tokenizer.ggml.pre 'viking'"),
+    "gguf_into_its_own_folder": (GGUF, lambda t, c, s: ["--gguf", write_tiny_gguf(t / "m.gguf"), "--out_dir", t,
+                                                        "--force"], "contains the input"),
     # evaluation
     "eval_nan_checkpoint": (EVAL, lambda t, c, s: ["--checkpoint_path", poisoned(c, t, math.nan), "--max_files", 1],
                             "NaN"),
