@@ -52,6 +52,12 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch do
     return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
 }
 
+// y[i] = v, as bf16, or as fp32 where the caller asked for it (the output head: logits a bf16 step apart tie)
+static inline void put(void* y, int64_t i, float v, int64_t f32) {
+    if (f32) ((float*)y)[i] = v;
+    else ((uint16_t*)y)[i] = to_bf16(v);
+}
+
 struct XQ {  // one row of x, prepared for the int4 product
     std::vector<int8_t> even, odd;  // xq at the positions of the low and high nibbles: [K / 2] each
     std::vector<float> d, c, sum;   // per group: the scale d, d * sum xq, and sum x
@@ -94,7 +100,7 @@ static inline float hsum(__m256 v) {
 
 // one row of w against one row of x (already fp32, in lo/hi order): 8 independent FMA chains, and the row is
 // read front to back, which the hardware prefetcher follows even for short rows
-static inline uint16_t dot(const float* x, const uint16_t* w, int64_t K) {
+static inline float dot(const float* x, const uint16_t* w, int64_t K) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -110,7 +116,7 @@ static inline uint16_t dot(const float* x, const uint16_t* w, int64_t K) {
         a[1] = _mm256_fmadd_ps(hi(v), _mm256_loadu_ps(x + k + 8), a[1]);
     }
     for (int i = 1; i < 8; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-    return to_bf16(hsum(a[0]));
+    return hsum(a[0]);
 }
 
 // the same for int8 weights, x in plain order: a sign-extending load and a conversion per 8 weights
@@ -160,7 +166,8 @@ static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales
 
 
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
-extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
+                          int64_t f32) {
     std::vector<float> xs(M * K);  // x in fp32 once, in the order lo() and hi() produce the weights
     for (int64_t i = 0; i < M * K; i += 16)
         for (int j = 0; j < 8; j++) {
@@ -171,31 +178,31 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int
         }
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(&xs[m * K], w + n * K, K);
+        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
 }
 """
 
 DRIVERS = r"""
 // the int8 and int4 products over all rows, around each instruction set's dot_i8 and dot_i4
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 8
-extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, uint16_t* y,
-                          int64_t M, int64_t N, int64_t K) {
+extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
+                          int64_t M, int64_t N, int64_t K, int64_t f32) {
     std::vector<float> xs(M * K);
     for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = to_bf16(dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]));
+        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), f32);
 }
 
 // y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
 extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                          uint16_t* y, int64_t M, int64_t N, int64_t K, int64_t G) {
+                          void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ> xq(M);
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, xq[m]);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = to_bf16(dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G));
+            put(y, m * N + n, dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G), f32);
 }
 """
 
@@ -208,7 +215,7 @@ AVX512 = r"""
 typedef uint16_t xbf16;
 static inline __m512 dp(__m512 a, __m512i w, __m512i x) { return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)x); }
 
-static inline uint16_t dot(const uint16_t* x, const uint16_t* w, int64_t K) {
+static inline float dot(const uint16_t* x, const uint16_t* w, int64_t K) {
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t k = 0;
     for (; k + 128 <= K; k += 128)  // 4 chains in flight, the row read front to back
@@ -218,7 +225,7 @@ static inline uint16_t dot(const uint16_t* x, const uint16_t* w, int64_t K) {
         __mmask32 m = K - k >= 32 ? 0xffffffffu : 0xffffu;
         a[0] = dp(a[0], _mm512_maskz_loadu_epi16(m, w + k), _mm512_maskz_loadu_epi16(m, x + k));
     }
-    return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 #else
 typedef float xbf16;
@@ -226,23 +233,24 @@ static inline __m512 widen(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-static inline uint16_t dot(const float* x, const uint16_t* w, int64_t K) {
+static inline float dot(const float* x, const uint16_t* w, int64_t K) {
     __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t k = 0;
     for (; k + 64 <= K; k += 64)
         for (int c = 0; c < 4; c++) a[c] = _mm512_fmadd_ps(widen(w + k + 16 * c), _mm512_loadu_ps(x + k + 16 * c), a[c]);
     for (; k < K; k += 16) a[0] = _mm512_fmadd_ps(widen(w + k), _mm512_loadu_ps(x + k), a[0]);
-    return to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))));
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 #endif
 
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
-extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
+                          int64_t f32) {
     std::vector<xbf16> xs(M * K);
     for (int64_t i = 0; i < M * K; i++) xs[i] = sizeof(xbf16) == 2 ? x[i] : from_bf16(x[i]);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(&xs[m * K], w + n * K, K);
+        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
 }
 
 // int8: sign-extended and converted 16 at a time; K a multiple of 8, the last 8 masked
@@ -345,9 +353,9 @@ def build(source: str, flags: list[str]) -> ctypes.CDLL:
                            check=True, capture_output=True, text=True)
             os.replace(Path(tmp) / "lib.so", lib)
     dll = ctypes.CDLL(str(lib))
-    dll.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    dll.gemv_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    dll.gemv_int4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+    dll.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    dll.gemv_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    dll.gemv_int4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
     return dll
 
 
@@ -385,32 +393,39 @@ def load(name: Optional[str] = None) -> Optional[str]:
 # a torch op, so that torch.compile keeps it in the graph; defined with torch.library.Library rather than the
 # @custom_op decorator, whose Python wrapper costs about 25 us a call, as much as a small layer's whole product
 _ops = torch.library.Library("fast_decode", "DEF")
-_ops.define("gemv_bf16(Tensor x, Tensor w) -> Tensor")
-_ops.define("gemv_int8(Tensor x, Tensor w, Tensor scales) -> Tensor")
-_ops.define("gemv_int4(Tensor x, Tensor w, Tensor scales, Tensor zeros) -> Tensor")
+# f32: write the products in float32 instead of bf16 (the output head: see put() in the kernels)
+_ops.define("gemv_bf16(Tensor x, Tensor w, bool f32=False) -> Tensor")
+_ops.define("gemv_int8(Tensor x, Tensor w, Tensor scales, bool f32=False) -> Tensor")
+_ops.define("gemv_int4(Tensor x, Tensor w, Tensor scales, Tensor zeros, bool f32=False) -> Tensor")
 
 
-def gemv_bf16(x: Tensor, w: Tensor) -> Tensor:  # x [..., K] bf16, w [N, K] bf16, contiguous -> [..., N] bf16
+def out(x: Tensor, n: int, f32: bool) -> Tensor:  # [..., n], bf16 or float32
+    return x.new_empty(*x.shape[:-1], n, dtype=torch.float32 if f32 else x.dtype)
+
+
+def gemv_bf16(x: Tensor, w: Tensor, f32: bool = False) -> Tensor:  # x [..., K] bf16, w [N, K] bf16 -> [..., N]
     x = x.contiguous()  # few tensor calls: at 1-2 us each they add up over a small model's ~40 products per step
-    y = x.new_empty(*x.shape[:-1], w.size(0))
-    _lib.gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // w.size(1), *w.shape)
+    y = out(x, w.size(0), f32)
+    _lib.gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // w.size(1), *w.shape, f32)
     return y
 
 
-def gemv_int8(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:  # x [..., K] bf16, w [N, K] int8, scales [N] bf16
+def gemv_int8(x: Tensor, w: Tensor, scales: Tensor, f32: bool = False) -> Tensor:
+    # x [..., K] bf16, w [N, K] int8, scales [N] bf16 -> [..., N]
     x = x.contiguous()
-    y = x.new_empty(*x.shape[:-1], w.size(0))
-    _lib.gemv_int8(x.data_ptr(), w.data_ptr(), scales.data_ptr(), y.data_ptr(), x.numel() // w.size(1), *w.shape)
+    y = out(x, w.size(0), f32)
+    _lib.gemv_int8(x.data_ptr(), w.data_ptr(), scales.data_ptr(), y.data_ptr(), x.numel() // w.size(1), *w.shape,
+                   f32)
     return y
 
 
-def gemv_int4(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
-    # x [..., K'] bf16, w [N, K'/2] uint8 (two q per byte), scales and zeros [N, K'/G] bf16 -> [..., N] bf16
+def gemv_int4(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, f32: bool = False) -> Tensor:
+    # x [..., K'] bf16, w [N, K'/2] uint8 (two q per byte), scales and zeros [N, K'/G] bf16 -> [..., N]
     x = x.contiguous()
     k = 2 * w.size(1)
-    y = x.new_empty(*x.shape[:-1], w.size(0))
+    y = out(x, w.size(0), f32)
     _lib.gemv_int4(x.data_ptr(), w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), x.numel() // k,
-                   w.size(0), k, k // scales.size(1))
+                   w.size(0), k, k // scales.size(1), f32)
     return y
 
 
@@ -420,18 +435,18 @@ _ops.impl("gemv_int8", gemv_int8, "CPU")
 
 
 @torch.library.register_fake("fast_decode::gemv_bf16")
-def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], w.size(0))
+def _(x: Tensor, w: Tensor, f32: bool = False) -> Tensor:
+    return out(x, w.size(0), f32)
 
 
 @torch.library.register_fake("fast_decode::gemv_int8")
-def _(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], w.size(0))
+def _(x: Tensor, w: Tensor, scales: Tensor, f32: bool = False) -> Tensor:
+    return out(x, w.size(0), f32)
 
 
 @torch.library.register_fake("fast_decode::gemv_int4")
-def _(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], w.size(0))
+def _(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, f32: bool = False) -> Tensor:
+    return out(x, w.size(0), f32)
 
 
 def few_rows(x: Tensor) -> bool:  # decode, verification, short prompts; inference only: the ops have no backward
@@ -487,11 +502,12 @@ class GemvBf16(nn.Module):
     def __init__(self, weight: nn.Parameter, dtype: torch.dtype, gemv: bool):
         super().__init__()
         self.weight, self.dtype, self.gemv = weight, dtype, gemv
+        self.f32 = False  # float32 products: install sets it for the output head
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if self.gemv and few_rows(x):
-            return torch.ops.fast_decode.gemv_bf16(x, self.weight)
-        return F.linear(x.to(self.dtype), self.weight.to(self.dtype)).to(x.dtype)
+            return torch.ops.fast_decode.gemv_bf16(x, self.weight, self.f32)
+        return F.linear(x.to(self.dtype), self.weight.to(self.dtype)).to(torch.float32 if self.f32 else x.dtype)
 
 
 class GemvInt8(nn.Module):
@@ -501,12 +517,13 @@ class GemvInt8(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
+        self.f32 = False
 
     def forward(self, x: Tensor) -> Tensor:
         if few_rows(x):
-            return torch.ops.fast_decode.gemv_int8(x, self.weight, self.scales)
+            return torch.ops.fast_decode.gemv_int8(x, self.weight, self.scales, self.f32)
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scales)
-        return y.view(*x.shape[:-1], self.weight.size(0))
+        return y.view(*x.shape[:-1], self.weight.size(0)).to(torch.float32 if self.f32 else x.dtype)
 
 
 class GemvInt4(nn.Module):
@@ -518,16 +535,17 @@ class GemvInt4(nn.Module):
         self.register_buffer("weight", m.weight)
         self.register_buffer("scales", m.scales)
         self.register_buffer("zeros", m.zeros)
+        self.f32 = False
 
     def forward(self, x: Tensor) -> Tensor:
         k = 2 * self.weight.size(1)
         x2 = F.pad(x.reshape(-1, x.size(-1)), (0, k - x.size(-1)))  # the weight's zero columns meet zero inputs
         if few_rows(x):
-            y = torch.ops.fast_decode.gemv_int4(x2, self.weight, self.scales, self.zeros)
+            y = torch.ops.fast_decode.gemv_int4(x2, self.weight, self.scales, self.zeros, self.f32)
         else:
             q = torch.stack([self.weight & 15, self.weight >> 4], -1).view(self.out_features, -1, k // self.scales.size(1))
             w = ((q.to(self.dtype) - 8) * self.scales[..., None].to(self.dtype) + self.zeros[..., None].to(self.dtype))
-            y = F.linear(x2.to(self.dtype), w.flatten(1)).to(x.dtype)
+            y = F.linear(x2.to(self.dtype), w.flatten(1)).to(torch.float32 if self.f32 else x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -563,6 +581,8 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
         for child_name, child in parent.named_children():
             new = replacement(child, dtype)
             if new is not None:
+                # the output head writes float32 logits: a small model's top two can be closer than a bf16 step
+                new.f32 = parent is model and child_name == "output"
                 setattr(parent, child_name, new)
     return describe(model)
 

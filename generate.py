@@ -69,7 +69,7 @@ def draw(probs):  # [B, V] -> [B]
 # ---- the steps -----------------------------------------------------------------------------------------------------
 
 def prefill(model, idx, input_pos, left_pad, kv_len, **sampling):  # idx [B, S], input_pos [S], left_pad [B]|None -> [B]
-    return sample(model(idx, input_pos, left_pad, kv_len)[:, -1], **sampling)
+    return sample(model(idx, input_pos, left_pad, kv_len, last=True)[:, -1], **sampling)
 
 
 def decode_one_token(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]

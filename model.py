@@ -269,7 +269,7 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
     def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None,
-                kv_len: Optional[int] = None) -> Tensor:
+                kv_len: Optional[int] = None, last: bool = False) -> Tensor:
         """idx [B, S] token ids -> logits [B, S, vocab].
 
         With input_pos [S] (cache slots), attend through the KV cache; left_pad [B] counts each row's leading pad
@@ -277,7 +277,7 @@ class Transformer(nn.Module):
         kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
         cache slots (see kv_bucket). The default is the whole cache.
         Without input_pos, run causal (and sliding-window) attention over idx and touch no cache (training,
-        perplexity)."""
+        perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others)."""
         if input_pos is None:
             S = idx.size(1)
             freqs_cis = precompute_freqs_cis(S, self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
@@ -294,7 +294,7 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, freqs_cis, mask, input_pos)
-        return self.output(self.norm(x))
+        return self.output(self.norm(x[:, -1:] if last else x))
 
     def cache_mask(self, input_pos: Tensor, left_pad: Optional[Tensor], kv_len: int) -> Tensor:  # -> [B|1, 1, S, kv_len]
         # built from input_pos each call rather than sliced from an [L, L] table: that table is 17 GB at L = 128k

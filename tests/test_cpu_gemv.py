@@ -140,3 +140,24 @@ def test_the_cpu_features_choose_the_kernel_sets():
         assert names(avx512 | {"avx512_bf16", "avx512_vnni"}) == ["avx512+bf16+vnni", "avx512", "avx2"]
         assert names(avx512 | {"avx512_vnni"}) == ["avx512+vnni", "avx512", "avx2"]
         assert names(avx512) == ["avx512", "avx2"]
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 5632, 2048), (3, 7, 48)])  # K a multiple of 16, as the bf16 kernel needs
+def test_float32_products_keep_what_bf16_would_round_away(kernels, rows, n, k):
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    q, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), (torch.rand(n) / 64).bfloat16()
+    for got, exact in [(torch.ops.fast_decode.gemv_bf16(x, w, True), x.double() @ w.double().T),
+                       (torch.ops.fast_decode.gemv_int8(x, q, scales, True),
+                        x.double() @ (q.double() * scales.double()[:, None]).T)]:
+        assert got.dtype == torch.float32
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-16 + 1e-3).all()  # far finer than a bf16 step
+
+
+@torch.no_grad()
+def test_the_output_head_gives_float32_logits(checkpoint, kernels):
+    model = load_model(checkpoint, "cpu", torch.bfloat16)  # cpu_gemv installed: the head writes float32
+    model.setup_caches(1, 16)
+    logits = model(torch.tensor([[1, 5, 9]]), torch.arange(3), last=True)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 1, model.args.vocab_size)
+    assert logits.bfloat16().float().ne(logits).any()  # values bf16 could not hold
