@@ -17,6 +17,7 @@ import checkpoint
 import cli
 import cpu_gemv
 import generate
+import guided
 import speculative
 
 HISTORY = Path.home() / ".cache" / "fast-decode" / "chat_history"
@@ -149,6 +150,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculate_k", type=cli.positive_int, default=8, help="with --prompt_lookup: tokens per guess")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write each turn's prefill_tokens, "
                    "new_tokens, ttft_ms and decode_tokens_per_sec as JSON, after every turn")
+    generate.add_guided_options(p)
     p.set_defaults(draft_checkpoint_path=None, fixed_k=False)
     return cli.one_line_errors(p)
 
@@ -168,10 +170,12 @@ def load(args):
     checkpoint.plan(args.checkpoint_path, device, dtype, 1, length, min(length, 2048))
     if device.type == "cpu":
         cli.set_threads(args.threads, 1)
+    args.batch_size = 1
+    guide = generate.make_guide(args, tokenizer, config.vocab_size)  # every reply matches it
     model = checkpoint.load_model(args.checkpoint_path, device, dtype, args.cpu_kernels)
     model.setup_caches(1, length)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    loop = speculative.speculative_loop(args, model, [[0]], None, **sampling)
+    loop = speculative.speculative_loop(args, model, [[0]], None, guide, **sampling)
     kernels = f"; {cpu_gemv.describe(model)}" if device.type == "cpu" else ""
     print(f"Loaded {args.checkpoint_path} on {device}, {args.dtype}{kernels}; context {length} tokens", file=sys.stderr)
     if args.compile or args.compile_prefill:
@@ -186,6 +190,9 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError("--temperature must be >= 0 and --top_p in (0, 1]")
+    args.guides = ([guided.any_json()] if args.json else []) + (args.guides or [])
+    if len(args.guides) > 1:
+        raise ValueError("give one of --json_schema, --json, --regex or --grammar: every reply matches it")
     cli.check_output_file(args.metrics_json, "--metrics_json", '"turns"')
     interactive = sys.stdin.isatty()
     model, tokenizer, loop = load(args)

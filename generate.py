@@ -6,7 +6,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -15,7 +15,9 @@ import torch
 import checkpoint
 import cli
 import cpu_gemv
+import guided
 from checkpoint import load_model
+from guided import Guide, allowed_tokens
 from model import Transformer, kv_bucket
 from tokenizer import Tokenizer
 
@@ -40,11 +42,17 @@ def logits_to_probs(logits, temperature: float = 1.0, top_k: Optional[int] = Non
     return logits.softmax(-1)
 
 
-def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None):  # [B, V] -> [B]
+def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+           allowed=None):  # logits [B, V], allowed [B, V] bool or None -> [B]
     """The next token of each row, or NOT_FINITE where the row's logits hold a NaN or an infinity (a damaged
-    model, or a dtype that overflows): the loop stops on it instead of printing garbage."""
+    model, or a dtype that overflows): the loop stops on it instead of printing garbage. allowed (guided
+    generation): the tokens the grammar allows; the others get -inf before top-k, top-p and the draw, so the
+    distribution is the model's, renormalized over the allowed tokens."""
+    finite = torch.isfinite(logits.sum(-1))  # a sum is NaN or inf if any term is; checked before the mask's -inf
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -float("inf"))
     tok = logits.argmax(-1) if temperature == 0 else draw(logits_to_probs(logits, temperature, top_k, top_p))
-    return torch.where(torch.isfinite(logits.sum(-1)), tok, NOT_FINITE)  # a sum is NaN or inf if any term is
+    return torch.where(finite, tok, NOT_FINITE)
 
 
 NOT_FINITE = -1
@@ -76,6 +84,15 @@ def decode_one_token(model, cur, input_pos, left_pad, kv_len, **sampling):  # cu
     return sample(model(cur, input_pos, left_pad, kv_len)[:, -1], **sampling)
 
 
+def decode_logits(model, idx, input_pos, left_pad, kv_len):  # idx [B, S], input_pos [S] -> [B, V]
+    """The last position's logits: guided decoding samples only once the grammar's mask is ready."""
+    return model(idx, input_pos, left_pad, kv_len, last=True)[:, -1]
+
+
+def pick(logits, bits, **sampling):  # logits [B, V], bits [B, W] int32 (a grammar's bitmask) -> [B]
+    return sample(logits, allowed=allowed_tokens(bits, logits.size(-1)), **sampling)
+
+
 def compile_step(step: Callable) -> Callable:
     """Compile a decode step whole (no graph breaks), as CUDA graphs on a GPU ("reduce-overhead"). dynamic: one
     compilation serves every cache length kv_bucket picks and every verify length; a CUDA graph is still recorded
@@ -93,11 +110,15 @@ class Steps:
     or speculative) runs what was asked for; rebinding module globals would miss a loop that imported a name."""
     prefill: Callable = prefill
     decode: Callable = decode_one_token
+    prefill_logits: Callable = decode_logits  # guided decoding: logits first, then the masked pick
+    logits: Callable = decode_logits
+    pick: Callable = pick
 
 
 def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
-    return Steps(compile_prefill(prefill) if compile_prefill_too else prefill,
-                 compile_step(decode_one_token) if compile else decode_one_token)
+    step = compile_step if compile else (lambda f: f)  # torch.compile is lazy: unused steps cost nothing
+    first = compile_prefill if compile_prefill_too else (lambda f: f)
+    return Steps(first(prefill), step(decode_one_token), first(decode_logits), step(decode_logits), step(pick))
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -115,6 +136,8 @@ class Generation:
     peak_memory_gb: float
     drafted: int = 0  # speculative: tokens proposed
     accept_histogram: Optional[list[int]] = None  # speculative: [j] = verify passes that kept j proposals
+    forced: Optional[int] = None  # guided: new tokens the grammar forced (fed by fast-forward)
+    incomplete: list[int] = field(default_factory=list)  # guided: rows cut by max_new_tokens mid-grammar
 
     def metrics(self, weight_bytes: int) -> dict:
         """The figures generate.py prints and --metrics_json writes; speculation's are None for plain decoding."""
@@ -133,7 +156,8 @@ class Generation:
                 "mean_accepted": kept / rounds if rounds else None,  # proposals kept per verify pass
                 "mean_drafted": self.drafted / rounds if rounds else None,
                 "acceptance_rate": kept / self.drafted if self.drafted else None,
-                "accept_histogram": self.accept_histogram}
+                "accept_histogram": self.accept_histogram,
+                "forced_tokens": self.forced}
 
 
 STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only every few steps, as each look syncs
@@ -187,11 +211,13 @@ def device_sync(device):
 @torch.no_grad()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_ids=None,
              callback: Optional[Callable] = None, pad_id: int = 0, steps: Steps = Steps(),
-             stop: Optional[Callable] = None, cached: int = 0, **sampling) -> Generation:
+             stop: Optional[Callable] = None, cached: int = 0, guide: Optional[Guide] = None,
+             **sampling) -> Generation:
     """Greedy or sampled continuations of a batch of token-id prompts of any lengths (left-padded). A row ends
     at any of eos_ids, or where stop(row) (see stop_strings) cuts it. callback, if given, sees the first row's new
     tokens after every step. cached: the KV cache already holds the first `cached` tokens of the (one) prompt,
-    from an earlier call, so prefill computes only the rest (a chat's earlier turns)."""
+    from an earlier call, so prefill computes only the rest (a chat's earlier turns). guide: each row's output
+    matches its grammar (see generate_guided)."""
     device = model.tok_embeddings.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
@@ -211,6 +237,9 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     left_pad = None
     if any(len(p) < T for p in prompts):
         left_pad = torch.tensor([T - len(p) for p in prompts], device=device)
+    if guide is not None:
+        return generate_guided(model, idx, left_pad, cached, max_new_tokens, eos_ids, callback, steps, stop, guide,
+                               **sampling)
     out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
     eos = torch.tensor(list(eos_ids), device=device) if eos_ids else None  # [E]
 
@@ -228,6 +257,65 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     rows = [cut(r, eos_ids, stop) for r in out[:, :filled].tolist()]
     return Generation(rows, B * (T - cached), t1 - t0, t2 - t1, B * (filled - 1), filled - 1, peak_memory_gb(device))
+
+
+def generate_guided(model: Transformer, idx, left_pad, cached: int, max_new_tokens: int, eos_ids, callback,
+                    steps: Steps, stop: Optional[Callable], guide: Guide, **sampling) -> Generation:
+    """generate() under grammars (idx [B, T], left-padded). Each step the host needs the sampled tokens to advance
+    the matchers: that is the step's one sync. The next mask is computed on a CPU thread while the forward pass
+    runs, and is applied on the device in `pick`. At batch 1 the tokens the grammar forces are fed in one forward
+    pass with the sampled one (fast-forward). A row ends at EOS, at a stop string, or once its grammar is
+    complete."""
+    device, (B, T) = idx.device, idx.shape
+    eos, fill = set(eos_ids or ()), (list(eos_ids or ()) or [0])[0]
+    slots = torch.arange(T + max_new_tokens, device=device)  # positions are slices of this: no allocation
+    bits = torch.empty(B, guide.words, dtype=torch.int32, device=device)
+
+    def upload(mask) -> torch.Tensor:  # the host bitmask, on the device (non_blocking: it is pinned)
+        return mask.result() if device.type == "cpu" else bits.copy_(mask.result(), non_blocking=True)
+
+    guide.reset()
+    rows, done, forwards = [[] for _ in range(B)], [False] * B, 0
+    device_sync(device)
+    t0 = time.perf_counter()
+    mask = guide.fill_async()
+    logits = steps.prefill_logits(model, idx[:, cached:], slots[cached:T], left_pad, kv_bucket(T, model.max_seq_length))
+    tokens = steps.pick(logits, upload(mask), **sampling).tolist()
+    t1 = time.perf_counter()
+    pos = T
+    while True:
+        for b, t in enumerate(tokens):
+            if done[b]:
+                continue
+            if t == NOT_FINITE:
+                raise not_finite(len(rows[b]))
+            rows[b].append(t)
+            if t not in eos:
+                guide.consume(b, t)
+            done[b] = t in eos or guide.complete(b) or len(rows[b]) >= max_new_tokens or \
+                stop is not None and stop(rows[b]) < len(rows[b])
+        feed = [[fill if d else t] for t, d in zip(tokens, done)]
+        if B == 1 and not done[0]:  # forced tokens go in with the sampled one; batch rows would need own positions
+            forced = guide.fast_forward(0, max_new_tokens - len(rows[0]))
+            rows[0] += forced
+            feed[0] += forced
+            done[0] = guide.complete(0) or len(rows[0]) >= max_new_tokens
+        if callback is not None:
+            stream(callback, rows[0])
+        if all(done):
+            break
+        S = len(feed[0])
+        mask = guide.fill_async(done)  # on the CPU thread, while the forward pass runs
+        logits = steps.logits(model, torch.tensor(feed, device=device), slots[pos : pos + S], left_pad,
+                              kv_bucket(pos + S, model.max_seq_length))
+        tokens = steps.pick(logits, upload(mask), **sampling).tolist()
+        pos, forwards = pos + S, forwards + 1
+    device_sync(device)
+    t2 = time.perf_counter()
+    incomplete = [b for b, r in enumerate(rows) if len(r) >= max_new_tokens and not eos & set(r) and guide.incomplete(b)]
+    return Generation([cut(r, eos_ids, stop) for r in rows], B * (T - cached), t1 - t0, t2 - t1,
+                      sum(map(len, rows)) - B, forwards, peak_memory_gb(device), forced=guide.forced,
+                      incomplete=incomplete)
 
 
 def cut(row: list[int], eos_ids, stop: Optional[Callable]) -> list[int]:
@@ -347,9 +435,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", metavar="STRING", help="end a row where its text first contains "
                    "STRING (not printed); may be repeated")
     p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence tokens")
+    add_guided_options(p)
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
                    "as JSON (averaged over the samples after the first)")
     return cli.one_line_errors(p)
+
+
+def add_guided_options(p: argparse.ArgumentParser):
+    g = p.add_argument_group("guided generation", "the output always matches: give one for every prompt, or one "
+                             "per prompt (in the order of the prompts); a row ends once its grammar is complete")
+    g.add_argument("--json_schema", dest="guides", action="append", type=guided.json_schema, metavar="FILE_OR_JSON",
+                   help="a JSON schema, as a file or as JSON text")
+    g.add_argument("--json", action="store_true", help="any JSON value")
+    g.add_argument("--regex", dest="guides", action="append", type=guided.regex, metavar="PATTERN",
+                   help="a regular expression the whole output matches")
+    g.add_argument("--grammar", dest="guides", action="append", type=guided.lark, metavar="FILE.lark",
+                   help="a Lark grammar (llguidance's dialect: a start rule, /regex/ terminals)")
 
 
 def read_prompts(args) -> list[str]:
@@ -378,11 +479,15 @@ def parse_args(argv=None, p: Optional[argparse.ArgumentParser] = None) -> argpar
             p.error(msg)
     cli.check_output_file(args.metrics_json, "--metrics_json", '"ttft_ms"')
     cli.check_output_file(args.profile, "--profile", '"traceEvents"')
+    args.guides = ([guided.any_json()] if args.json else []) + (args.guides or [])
     args.prompt = read_prompts(args)  # one prompt stays one until run() has checked the batch fits in memory
     if args.batch_size is None:
         args.batch_size = len(args.prompt)
     elif len(args.prompt) > 1 and args.batch_size != len(args.prompt):
         p.error(f"--batch_size {args.batch_size} does not match the {len(args.prompt)} prompts given")
+    if len(args.guides) not in (0, 1, args.batch_size):
+        p.error(f"{len(args.guides)} of --json_schema, --json, --regex and --grammar for {args.batch_size} prompts: "
+                f"give one for all, or one per prompt")
     return args
 
 
@@ -405,14 +510,19 @@ def print_summary(m: dict):
         print(f"Speculative: {m['target_forwards']} target forwards | mean drafted / accepted per verify: "
               f"{m['mean_drafted']:.2f} / {m['mean_accepted']:.2f} | acceptance rate: {m['acceptance_rate']:.1%}")
         print(f"Accepted proposals per verify (histogram, 0..k): {m['accept_histogram']}")
+    if m["forced_tokens"] is not None:
+        print(f"Guided: {m['forced_tokens']:.0f} new tokens forced by the grammar (fed by fast-forward), "
+              f"{m['target_forwards']:.0f} forward passes")
 
 
-def plain_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, **sampling) -> Callable:
+def plain_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, guide: Optional[Guide] = None,
+               **sampling) -> Callable:
     """The loop run() times: (eos_ids, callback, stop, cached, prompts) -> Generation; chat.py passes each
     turn's prompt and how much of it the cache already holds."""
     steps = build_steps(args.compile, args.compile_prefill)
     return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: generate(
-        model, prompts, args.max_new_tokens, eos_ids, callback, steps=steps, stop=stop, cached=cached, **sampling)
+        model, prompts, args.max_new_tokens, eos_ids, callback, steps=steps, stop=stop, cached=cached, guide=guide,
+        **sampling)
 
 
 def print_texts(prompts: list[str], texts: list[str]):
@@ -423,6 +533,13 @@ def print_texts(prompts: list[str], texts: list[str]):
             print(f"--- prompt {row + 1} of {len(texts)} ---\n{prompt}{text}")
 
 
+def make_guide(args, tokenizer: Tokenizer, vocab_size: int) -> Optional[Guide]:
+    """The matchers for --json_schema, --json, --regex and --grammar, or None."""
+    if not args.guides:
+        return None
+    return Guide(tokenizer, args.guides, args.batch_size, vocab_size, getattr(args, "speculate_k", 0))
+
+
 def run(args, make_loop: Callable = plain_loop, parallel=None):
     """Load, generate --num_samples times, print the text and the figures. make_loop builds the loop from the
     loaded model (speculative.py passes its own); parallel, from tp.py, holds the rank's device, a sharded loader
@@ -431,6 +548,7 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
     config = checkpoint.plan(args.checkpoint_path, device, dtype)
     tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
     encoded = [encode_prompt(tokenizer, s, args.chat, args.system) for s in args.prompt]
+    guide = make_guide(args, tokenizer, config.vocab_size)  # before the weights: a bad grammar fails fast
     T = max(len(p) for p in encoded)
     if args.max_seq_length and args.max_seq_length > config.block_size:
         raise ValueError(f"--max_seq_length {args.max_seq_length} exceeds the model's block_size {config.block_size}")
@@ -456,7 +574,7 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
           f"{args.dtype}{kernels}")
 
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    loop = make_loop(args, model, prompts, parallel, **sampling)
+    loop = make_loop(args, model, prompts, parallel, guide=guide, **sampling)
     torch.manual_seed(args.seed)
     compile_s = 0.0
     if args.compile or args.compile_prefill:
@@ -488,6 +606,9 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         if parallel:
             figures["peak_memory_gb_per_rank"] = parallel.gather(figures["peak_memory_gb"])
         results.append(figures)
+        for row in result.incomplete:
+            print(f"warning: {f'row {row + 1}' if len(texts) > 1 else 'the output'} reached --max_new_tokens before "
+                  f"its grammar was complete; raise --max_new_tokens", file=sys.stderr)
         print(f"Sample {i + 1}/{args.num_samples}: {args.batch_size} x {max(len(r) for r in result.rows)} new tokens")
         print_summary(figures)
     if args.metrics_json and (not parallel or parallel.rank == 0):

@@ -20,8 +20,9 @@ from torch import Tensor
 import cli
 import generate
 from checkpoint import checkpoint_files, load_model, tokenizer_path
-from generate import Generation, compile_prefill, compile_step, device_sync, draw, logits_to_probs, peak_memory_gb, \
-    prefill
+from generate import Generation, compile_prefill, compile_step, decode_logits, device_sync, draw, logits_to_probs, \
+    peak_memory_gb, pick, prefill
+from guided import Guide, allowed_tokens
 from model import Transformer, kv_bucket
 
 
@@ -33,18 +34,28 @@ def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = No
     return logits_to_probs(logits, temperature, top_k, top_p)
 
 
-def draft_step(draft, cur, input_pos, kv_len, **sampling):  # cur [1, 1], input_pos [1] -> token [1], probs [1, V], conf [1]
+def masked(logits: Tensor, bits: Optional[Tensor]) -> Tensor:  # logits [N, V], bits [N, W] int32 or None
+    return logits if bits is None else logits.masked_fill(~allowed_tokens(bits, logits.size(-1)), -float("inf"))
+
+
+def draft_step(draft, cur, input_pos, kv_len, bits=None, **sampling):
     """One draft token, the distribution it was drawn from, and the draft's own probability of it (from the
-    softmax when greedy, whose proposal is one-hot): the adaptive rule multiplies these along the draft."""
-    logits = draft(cur, input_pos, None, kv_len)[:, -1]
+    softmax when greedy, whose proposal is one-hot): the adaptive rule multiplies these along the draft. bits
+    (guided): the grammar's mask here, so the draft proposes only allowed tokens.
+    cur [1, 1], input_pos [1], bits [1, W] -> token [1], probs [1, V], conf [1]"""
+    logits = masked(draft(cur, input_pos, None, kv_len)[:, -1], bits)
     probs = probs_of(logits, **sampling)
     token = draw(probs)
     soft = probs if sampling.get("temperature", 0) > 0 else torch.softmax(logits.float(), -1)
     return token, probs, soft.gather(-1, token[:, None])[:, 0]
 
 
-def verify(model, tokens, input_pos, kv_len, **sampling):  # tokens [1, m+1], input_pos [m+1] -> probs [m+1, V]
-    return probs_of(model(tokens, input_pos, None, kv_len)[0], **sampling)
+def verify(model, tokens, input_pos, kv_len, bits=None, **sampling):  # tokens [1, S], input_pos [S] -> probs [S, V]
+    """The target's distributions after each token. bits [N, W] (guided): only the last N positions, each under
+    the grammar's mask there; the target's distribution renormalized over the allowed tokens is the one the
+    output must follow, and rejection sampling against it keeps that exactly."""
+    logits = model(tokens, input_pos, None, kv_len)[0]
+    return probs_of(logits if bits is None else masked(logits[-bits.size(0):], bits), **sampling)
 
 
 @dataclass(frozen=True)
@@ -53,11 +64,14 @@ class Steps:
     prefill: Callable = prefill
     draft: Callable = draft_step
     verify: Callable = verify
+    prefill_logits: Callable = decode_logits  # guided: the mask is applied after prefill, in pick
+    pick: Callable = pick
 
 
 def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
     step = compile_step if compile else (lambda f: f)
-    return Steps(compile_prefill(prefill) if compile_prefill_too else prefill, step(draft_step), step(verify))
+    first = compile_prefill if compile_prefill_too else (lambda f: f)
+    return Steps(first(prefill), step(draft_step), step(verify), first(decode_logits), step(pick))
 
 
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
@@ -68,7 +82,7 @@ def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
     i = torch.arange(m, device=p.device)
     ratio = p[i, proposed] / q[i, proposed]
     rejected = torch.rand(m, device=p.device) >= ratio  # rand < 1, so a ratio >= 1 always accepts
-    n = torch.where(rejected.any(), rejected.int().argmax(), m)
+    n = torch.cat([rejected, rejected.new_ones(1)]).int().argmax()  # the first rejection, or m (m may be 0)
     n = int(torch.where(torch.isfinite(p).all() & torch.isfinite(q).all(), n, -1))  # the round's one host sync
     if n < 0:  # NaN compares false, so it would be "accepted": stop instead
         raise ValueError("a model's logits became NaN or infinite: the weights or the dtype overflow; "
@@ -129,11 +143,14 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
                          ngram: Optional[int] = None, adaptive: bool = False, eos_ids=None,
                          callback: Optional[Callable] = None, steps: Steps = Steps(),
                          agree: Optional[Callable] = None, stop: Optional[Callable] = None, cached: int = 0,
-                         **sampling) -> Generation:
+                         guide: Optional[Guide] = None, **sampling) -> Generation:
     """Batch-1 generation with a draft model (draft=...) or prompt lookup (ngram=...) proposing up to k tokens a
     round; with adaptive=True the draft's length is chosen each round by threshold decoding. callback, if given,
     sees the new tokens after every round. agree(values) -> values, if given, averages the adaptive rule's timings
-    over tensor-parallel ranks, so that every rank drafts alike. eos_ids, stop and cached: as generate.generate."""
+    over tensor-parallel ranks, so that every rank drafts alike. eos_ids, stop and cached: as generate.generate.
+    guide: the output matches its grammar. Tokens the grammar forces are output as they are and fed to the target
+    ahead of the proposals, in the same pass; proposals stop at the first token the grammar rejects (a draft
+    model samples under the grammar's mask), and the target verifies under the mask."""
     if k < 1:
         raise ValueError(f"--speculate_k must be at least 1, got {k}")
     if (draft is None) == (ngram is None):
@@ -152,11 +169,20 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     slots = torch.arange(length, device=device)  # positions are slices of this: no allocation or copy per step
     proposed = torch.zeros(k, dtype=torch.long, device=device)  # compiled steps reuse their outputs: copy them out
     q = torch.zeros(k, model.args.vocab_size, device=device)
+    bits = torch.empty(k + 1, guide.words, dtype=torch.int32, device=device) if guide else None
+    upload = lambda host: host if device.type == "cpu" else bits[: host.size(0)].copy_(host, non_blocking=True)
     idx = torch.tensor([prompt], device=device)
+    if guide is not None:
+        guide.reset()
     device_sync(device)
     t0 = time.perf_counter()
-    cur = steps.prefill(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length),
-                        **sampling)  # [1]
+    if guide is None:
+        cur = steps.prefill(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length),
+                            **sampling)  # [1]
+    else:
+        mask = guide.fill_async()  # while prefill runs
+        logits = steps.prefill_logits(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length))
+        cur = steps.pick(logits, upload(mask.result()), **sampling)
     if draft is not None:
         steps.prefill(draft, idx[:, cached:], slots[cached:T], None, kv_bucket(T, draft.max_seq_length), **sampling)
     device_sync(device)
@@ -166,49 +192,74 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         raise generate.not_finite(0)
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
+        complete = False
         for token in emitted:
             out.append(token)
-            if token in eos or len(out) >= max_new_tokens:
+            if guide is not None and token not in eos:
+                guide.consume(0, token)
+                complete = guide.complete(0)
+            if token in eos or len(out) >= max_new_tokens or complete:
                 break
+        forced = guide.fast_forward(0, min(k, max_new_tokens - len(out))) if guide and not complete else []
+        out += forced  # output as they are, and fed to the target (and the draft) ahead of this round's proposals
         if callback is not None:
             callback(out)
-        if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out) < len(out):
+        if out[-1] in eos or len(out) >= max_new_tokens or complete or stop is not None and stop(out) < len(out) \
+                or guide is not None and guide.complete(0):
             break
-        t_round = time.perf_counter()
+        f, t_round, masks = len(forced), time.perf_counter(), None
         if draft is not None:
             t, cum, m = cur.view(1, 1), 1.0, 0
-            while m < k and (rule is None or cum >= rule.tau or m == 0):
-                nxt, probs, conf = steps.draft(draft, t, slots[pos + m : pos + m + 1],
-                                              kv_bucket(pos + m + 1, draft.max_seq_length), **sampling)
+            for j, token in enumerate(forced):  # the draft reads the forced tokens; its guesses there are moot
+                steps.draft(draft, t, slots[pos + j : pos + j + 1], kv_bucket(pos + j + 1, draft.max_seq_length),
+                            **sampling)
+                t = torch.tensor([[token]], device=device)
+            while m < k - f and (rule is None or cum >= rule.tau or m == 0):
+                mask = guide.mask_row(m) if guide is not None else None  # [1, W]: the grammar after m proposals
+                if guide is not None and guide.complete(0):
+                    break
+                nxt, probs, conf = steps.draft(draft, t, slots[pos + f + m : pos + f + m + 1],
+                                              kv_bucket(pos + f + m + 1, draft.max_seq_length),
+                                              upload(mask) if mask is not None else None, **sampling)
                 proposed[m], q[m] = nxt[0], probs[0]
                 t, m = proposed[m : m + 1].view(1, 1), m + 1
+                if guide is not None:
+                    guide.consume(0, int(nxt))  # the mask allowed it
                 if rule is not None:
                     cum *= float(conf)  # a host sync per draft token: the price of deciding when to stop
+            if guide is not None:
+                masks = guide.rollback(m)  # [m + 1, W]
         else:  # a miss still proposes one token, so that verify sees at least two positions and compiles once
-            guess = prompt_lookup(prompt + out, ngram, k) or out[-1:]
+            guess = (prompt_lookup(prompt + out, ngram, k - f) or out[-1:])[: k - f]
+            if guide is not None:  # up to the first token the grammar rejects
+                n_ok, masks = guide.along(guess)
+                guess = guess[:n_ok]
             m = len(guess)
             proposed[:m] = torch.tensor(guess, dtype=torch.long)
             q[:m] = F.one_hot(proposed[:m], q.size(1)).float()  # a deterministic guess is a one-hot proposal
         t_verify = time.perf_counter()
-        p = steps.verify(model, torch.cat([cur, proposed[:m]])[None], slots[pos : pos + m + 1],
-                   kv_bucket(pos + m + 1, model.max_seq_length), **sampling)
-        n, cur = accept(p, q[:m], proposed[:m])
+        tokens = torch.cat([cur, torch.tensor(forced, dtype=torch.long, device=device), proposed[:m]])[None]
+        p = steps.verify(model, tokens, slots[pos : pos + f + m + 1], kv_bucket(pos + f + m + 1, model.max_seq_length),
+                         upload(masks) if masks is not None else None, **sampling)
+        n, cur = accept(p[-(m + 1):], q[:m], proposed[:m])
         t_accept = time.perf_counter()
-        if draft is not None and n == m:  # the draft never saw its own last proposal: put it in its cache
-            steps.draft(draft, proposed[m - 1 : m].view(1, 1), slots[pos + m : pos + m + 1],
-                       kv_bucket(pos + m + 1, draft.max_seq_length), **sampling)
-        if rule is not None:  # under tensor parallelism every rank must draft alike: they share their timings
+        if draft is not None and n == m:  # the draft never saw t, its own last proposal: put it in its cache
+            steps.draft(draft, t, slots[pos + f + m : pos + f + m + 1], kv_bucket(pos + f + m + 1, draft.max_seq_length),
+                        **sampling)
+        if rule is not None and m > 0:  # under tensor parallelism every rank must draft alike: they share their timings
             times = [t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round]
-            rule.update(m, n, *(agree(times) if agree else times))
+            rule.update(max(m, 1), n, *(agree(times) if agree else times))
         accepted[n] += 1
         drafted += m
         emitted = torch.cat([proposed[:n], cur]).tolist()
-        pos += n + 1
+        pos += f + n + 1
     device_sync(device)
     decode_s = time.perf_counter() - t0 - prefill_s
     n_new = len(out)
-    return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, n_new - 1, sum(accepted), peak_memory_gb(device), drafted,
-                      accepted)
+    incomplete = [0] if guide is not None and n_new >= max_new_tokens and not eos & set(out) and guide.incomplete(0) \
+        else []
+    return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, n_new - 1, sum(accepted),
+                      peak_memory_gb(device), drafted, accepted, guide.forced if guide else None, incomplete)
 
 
 # ---- command line: generate.py's, with a proposer -----------------------------------------------------------------
@@ -226,11 +277,12 @@ def load_draft(path, target_dir: Path, model: Transformer, device, dtype, cpu_ke
     return draft
 
 
-def speculative_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, **sampling) -> Callable:
+def speculative_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, guide: Optional[Guide] = None,
+                     **sampling) -> Callable:
     """generate.run's loop: (eos_ids, callback, stop, cached, prompts) -> Generation. Without a proposer, plain decoding. Under tensor
     parallelism the draft is replicated on every rank."""
     if not (args.draft_checkpoint_path or args.prompt_lookup):
-        return generate.plain_loop(args, model, prompts, parallel, **sampling)
+        return generate.plain_loop(args, model, prompts, parallel, guide, **sampling)
     device = model.tok_embeddings.weight.device
     draft = load_draft(args.draft_checkpoint_path, checkpoint_files(args.checkpoint_path)[0], model, device,
                        model.norm.weight.dtype, args.cpu_kernels) if args.draft_checkpoint_path else None
@@ -238,7 +290,7 @@ def speculative_loop(args, model: Transformer, prompts: list[list[int]], paralle
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
     return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: speculative_generate(
         model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup, not args.fixed_k,
-        eos_ids, callback, steps, agree, stop, cached, **sampling)
+        eos_ids, callback, steps, agree, stop, cached, guide, **sampling)
 
 
 def parser():

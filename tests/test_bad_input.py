@@ -104,6 +104,11 @@ def truncated_gguf(tmp):
     return path
 
 
+def lark_file(tmp, text):
+    (tmp / "g.lark").write_text(text)
+    return tmp / "g.lark"
+
+
 def user_folder(tmp, *names):
     d = tmp / "mine"
     for n in names:
@@ -240,6 +245,23 @@ ROWS = {
     "train_force_onto_a_users_folder": (TRAIN, lambda t, c, s: ["--smoke", "--force", "--out_dir",
                                                                 user_folder(t, "stdlib-target/notes.md")],
                                         "also holds notes.md"),
+    # guided generation
+    "json_schema_not_json": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--json_schema", "{'type': 1}", *N],
+                             "not valid JSON"),
+    "json_schema_unknown_type": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--json_schema",
+                                                       '{"type": "objekt"}', *N], "objekt"),
+    "json_schema_missing_file": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--json_schema", t / "s.json", *N],
+                                 "neither a JSON schema file"),
+    "regex_unclosed_class": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--regex", "[a-z", *N], "invalid regex"),
+    "lark_unknown_rule": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--grammar", lark_file(t, "start: expr"),
+                                                *N], 'unknown name: "expr"'),
+    "lark_missing_file": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--grammar", t / "g.lark", *N],
+                          "cannot read the grammar file"),
+    "two_schemas_for_three_prompts": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt", "a", "--prompt", "b",
+                                                            "--prompt", "c", "--json", "--regex", "a+", *N],
+                                      "one per prompt"),
+    "chat_two_grammars": ("chat.py", lambda t, c, s: ["--checkpoint_path", c, "--json", "--regex", "a+"],
+                          "every reply matches it"),
     # benchmarks
     "bench_unknown_device": (BENCH, lambda t, c, s: ["--device", "tpu"], "tpu"),
     "bench_repeats_zero": (BENCH, lambda t, c, s: ["--repeats", 0], "--repeats"),

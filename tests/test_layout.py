@@ -36,9 +36,10 @@ def test_model_py_imports_only_torch_and_the_standard_library():
 
 
 def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_points():
-    assert GRAPH["quantize"] <= {"model"} and GRAPH["cpu_gemv"] == GRAPH["tokenizer"] == GRAPH["cli"] == set()
+    assert GRAPH["quantize"] <= {"model"}
+    assert GRAPH["cpu_gemv"] == GRAPH["tokenizer"] == GRAPH["cli"] == GRAPH["guided"] == set()
     assert GRAPH["checkpoint"] <= {"model", "quantize", "cpu_gemv", "tokenizer", "cli"}
-    assert GRAPH["generate"] <= {"model", "checkpoint", "tokenizer", "cpu_gemv", "cli"}
+    assert GRAPH["generate"] <= {"model", "checkpoint", "tokenizer", "cpu_gemv", "cli", "guided"}
     for entry in ("speculative", "eval"):
         assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval"} - {entry}
     assert {"speculative", "generate", "checkpoint"} <= GRAPH["tp"]
