@@ -312,7 +312,8 @@ def generate_guided(model: Transformer, idx, left_pad, cached: int, max_new_toke
         pos, forwards = pos + S, forwards + 1
     device_sync(device)
     t2 = time.perf_counter()
-    incomplete = [b for b, r in enumerate(rows) if len(r) >= max_new_tokens and not eos & set(r) and guide.incomplete(b)]
+    incomplete = [b for b, r in enumerate(rows)
+                  if len(r) >= max_new_tokens and not eos & set(r) and guide.incomplete(b)]
     return Generation([cut(r, eos_ids, stop) for r in rows], B * (T - cached), t1 - t0, t2 - t1,
                       sum(map(len, rows)) - B, forwards, peak_memory_gb(device), forced=guide.forced,
                       incomplete=incomplete)
@@ -446,7 +447,7 @@ def add_guided_options(p: argparse.ArgumentParser):
                              "per prompt (in the order of the prompts); a row ends once its grammar is complete")
     g.add_argument("--json_schema", dest="guides", action="append", type=guided.json_schema, metavar="FILE_OR_JSON",
                    help="a JSON schema, as a file or as JSON text")
-    g.add_argument("--json", action="store_true", help="any JSON value")
+    g.add_argument("--json", action="store_true", help="a JSON object or array, with any content")
     g.add_argument("--regex", dest="guides", action="append", type=guided.regex, metavar="PATTERN",
                    help="a regular expression the whole output matches")
     g.add_argument("--grammar", dest="guides", action="append", type=guided.lark, metavar="FILE.lark",

@@ -55,8 +55,10 @@ def json_schema(text: str) -> str:
     return _checked(_llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "JSON schema")
 
 
-def any_json() -> str:  # --json: any JSON value
-    return _llguidance().LLMatcher.grammar_from_json_schema({}, defaults=JSON_OPTIONS)
+def any_json() -> str:
+    """--json: a JSON document, an object or an array with any content. Not a bare value: a model that starts a
+    number at the top level may never end it."""
+    return _llguidance().LLMatcher.grammar_from_json_schema({"type": ["object", "array"]}, defaults=JSON_OPTIONS)
 
 
 def regex(pattern: str) -> str:  # --regex: the whole output matches the pattern
@@ -67,7 +69,8 @@ def lark(file: str) -> str:  # --grammar: a Lark grammar file (llguidance's dial
     try:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read the grammar file {file}: {e.strerror if isinstance(e, OSError) else 'not UTF-8'}") from None
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8"
+        raise argparse.ArgumentTypeError(f"cannot read the grammar file {file}: {why}") from None
     return _checked(_llguidance().LLMatcher.grammar_from_lark(text), f"grammar in {file}")
 
 
@@ -115,13 +118,15 @@ class Guide:
     """One llguidance matcher per batch row, each with its own grammar, and the host bitmask they fill
     ([B, W] int32, pinned on a CUDA machine so that its upload does not wait)."""
 
-    def __init__(self, tokenizer, grammars: list[str], batch_size: int, vocab_size: int, k: int = 0):
+    def __init__(self, tokenizer, grammars: list[str], batch_size: int, vocab_size: int, k: int = 0,
+                 fast_forward: bool = True):
         if len(grammars) not in (1, batch_size):
             raise ValueError(f"{len(grammars)} grammars (--json_schema, --json, --regex, --grammar) for a batch "
                              f"of {batch_size}: give one, or one per prompt")
         llg = _llguidance()
         self.tokenizer = llg_tokenizer(tokenizer, vocab_size)
-        self.matchers = [llg.LLMatcher(self.tokenizer, g, log_level=0) for g in grammars * (batch_size // len(grammars))]
+        grammars = grammars * (batch_size // len(grammars))
+        self.matchers = [llg.LLMatcher(self.tokenizer, g, log_level=0) for g in grammars]
         for m in self.matchers:
             if m.is_error():  # what validation without the tokenizer could not see
                 raise ValueError(f"the grammar cannot be used with this tokenizer: {m.get_error().splitlines()[0]}")
@@ -130,6 +135,7 @@ class Guide:
         self.bits = torch.full((max(batch_size, k + 1), self.words), -1, dtype=torch.int32, pin_memory=pin)
         self.pool = ThreadPoolExecutor(1)  # the mask is computed here while the forward pass runs
         self.forced = 0  # tokens fed by fast-forward, this generation
+        self.forcing = fast_forward  # off: forced tokens come one step each, as the mask's only allowed token
 
     def reset(self):
         for m in self.matchers:
@@ -161,7 +167,7 @@ class Guide:
 
     def fast_forward(self, row: int, limit: int) -> list[int]:
         """The tokens the grammar forces next (at most limit), consumed."""
-        tokens = self.matchers[row].compute_ff_tokens()[:limit]
+        tokens = self.matchers[row].compute_ff_tokens()[:limit] if self.forcing else []
         for t in tokens:
             self.consume(row, t)
         self.forced += len(tokens)

@@ -244,11 +244,11 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         n, cur = accept(p[-(m + 1):], q[:m], proposed[:m])
         t_accept = time.perf_counter()
         if draft is not None and n == m:  # the draft never saw t, its own last proposal: put it in its cache
-            steps.draft(draft, t, slots[pos + f + m : pos + f + m + 1], kv_bucket(pos + f + m + 1, draft.max_seq_length),
-                        **sampling)
-        if rule is not None and m > 0:  # under tensor parallelism every rank must draft alike: they share their timings
+            steps.draft(draft, t, slots[pos + f + m : pos + f + m + 1],
+                        kv_bucket(pos + f + m + 1, draft.max_seq_length), **sampling)
+        if rule is not None and m > 0:  # under tensor parallelism every rank must draft alike: they share timings
             times = [t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round]
-            rule.update(max(m, 1), n, *(agree(times) if agree else times))
+            rule.update(m, n, *(agree(times) if agree else times))
         accepted[n] += 1
         drafted += m
         emitted = torch.cat([proposed[:n], cur]).tolist()

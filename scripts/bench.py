@@ -4,7 +4,8 @@ One command, one device, one run. It first measures the ceilings, memory copy ba
 written by a large tensor copy) and matmul FLOP/s, then runs every configuration in a fresh process (so peak
 memory, compile time and dynamo state belong to that configuration alone): model shapes with random weights,
 bf16 / int8 / int4 weights, eager / compiled, batch 1 / 8, prompts of 16 / 1024 tokens; Hugging Face
-transformers on the same shapes beside them; and a short context in a 2k and a 32k cache. Each configuration
+transformers on the same shapes beside them; and a short context in a 2k and a 32k cache. With --guided, every run
+of ours is followed by the same generation under a JSON schema, and a table compares the two. Each configuration
 measures the copy bandwidth again right after its runs, and its "% of copy" is against that. It prints Markdown
 tables, writes JSON, and saves a PNG plot when matplotlib is installed."""
 import argparse
@@ -25,13 +26,24 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import cli  # noqa: E402
 import cpu_gemv  # noqa: E402
 from bench_quantize import random_checkpoint  # noqa: E402
-from checkpoint import load_model, read_config  # noqa: E402
+import guided  # noqa: E402
+from checkpoint import load_model, load_tokenizer, read_config  # noqa: E402
 from generate import (DEFAULT_CHECKPOINT, build_steps, device_sync, generate, peak_memory_gb,  # noqa: E402
                       resolve_device, weight_bytes)
 from model import transformer_configs  # noqa: E402
 
 SHAPES = {"cpu": ["built-in", "TinyLlama-1.1B"], "cuda": ["built-in", "TinyLlama-1.1B", "Llama-2-7b"]}
 INT4_GROUPSIZE = 128
+# --guided: a long list of records, so that a model writes structure (forced keys, enums, bounded numbers) all along
+# and the list cannot be closed before the run's last token
+RECORDS = {"type": "array", "minItems": 1000, "items": {"type": "object", "additionalProperties": False,
+                                      "required": ["id", "name", "tags", "score"],
+                                      "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                                     "name": {"type": "string", "maxLength": 12},
+                                                     "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                              "maxItems": 3},
+                                                     "score": {"type": "number", "minimum": 0, "maximum": 1,
+                                                               "multipleOf": 0.125}}}}
 COPY_GIB = {False: 1, True: 4}  # keyed by "on a GPU": well past the last-level cache either way
 
 
@@ -106,7 +118,8 @@ def run_one(cfg: dict) -> dict:
             peak = peak_memory_gb(device)
         copies.append(copy_bandwidth(device, COPY_GIB[device.type == "cuda"]))
     med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
-    return {"prompt": cfg["prompt"], "kernels": cfg.get("kernels", "torch"), "ttft_ms": 1e3 * med("ttft_s"), "prefill_tok_s": cfg["batch"] * cfg["prompt"] /
+    guided_figures = {k: med(k) for k in runs[0] if k.startswith("guided_")}
+    return {**guided_figures, "prompt": cfg["prompt"], "kernels": cfg.get("kernels", "torch"), "ttft_ms": 1e3 * med("ttft_s"), "prefill_tok_s": cfg["batch"] * cfg["prompt"] /
             med("ttft_s"), "decode_tok_s": cfg["batch"] * med("decode_tok_s"),
             "bandwidth_gb_s": weights * med("decode_tok_s") / 1e9, "weight_gb": weights / 1e9,
             "copy_gb_s": statistics.median(copies) / 1e9,
@@ -123,10 +136,20 @@ def run_ours(cfg: dict, device):
     prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], cfg["prompt"])).tolist()
     model.setup_caches(cfg["batch"], cfg.get("cache") or cfg["prompt"] + cfg["new_tokens"])
     cfg["kernels"] = cpu_gemv.describe(model) if device.type == "cpu" else "torch"
+    if cfg.get("guided"):  # with fast-forward, and without it: then every pass is one token, as in plain decoding
+        tokenizer, schema = load_tokenizer(Path(cfg["checkpoint"]), model.args), json.dumps(RECORDS)
+        guides = [guided.Guide(tokenizer, [guided.json_schema(schema)], cfg["batch"], model.args.vocab_size,
+                               fast_forward=ff) for ff in (True, False)]
 
     def run():
         r = generate(model, prompts, cfg["new_tokens"], steps=steps, temperature=0)
-        return {"ttft_s": r.prefill_s, "decode_tok_s": r.forwards / r.decode_s, "total_s": r.prefill_s + r.decode_s}
+        out = {"ttft_s": r.prefill_s, "decode_tok_s": r.forwards / r.decode_s, "total_s": r.prefill_s + r.decode_s}
+        if cfg.get("guided"):  # the same prompts under the schema, right after: they see the same machine
+            g, m = (generate(model, prompts, cfg["new_tokens"], steps=steps, temperature=0, guide=x) for x in guides)
+            out.update(guided_tok_s=g.decode_tokens / g.decode_s, guided_plain_tok_s=r.decode_tokens / r.decode_s,
+                       guided_forced=g.forced / sum(map(len, g.rows)), guided_mask_steps_s=m.forwards / m.decode_s,
+                       total_s=sum(x.prefill_s + x.decode_s for x in (r, g, m)))
+        return out
     return weight_bytes(model), 2 * matmul_weights(model.args), run
 
 
@@ -194,6 +217,8 @@ def main():
                    help="run Hugging Face transformers beside ours (bf16, batch 1, the short prompt)")
     p.add_argument("--long_cache", action=argparse.BooleanOptionalAction, default=True,
                    help="decode a 100-token context in a 2k and a 32k cache (bf16, compiled, batch 1)")
+    p.add_argument("--guided", action="store_true", help="after each run of ours, the same prompts under a JSON "
+                   "schema (a list of records): decode speed with and without it, and the share of forced tokens")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: cpu_gemv.py's kernels for "
                    "this CPU and the prefill dtype measured faster here; off: torch's own kernels")
     p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the figures (and a PNG "
@@ -233,6 +258,7 @@ def main():
             rows.append(row)
             print_row(row, header=len(rows) == 1)
     print_long_cache(long_rows)
+    print_guided(rows)
     results = {"machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                "copy_bandwidth_gb_s": copy_bw / 1e9, "matmul_tflops": {k: v / 1e12 for k, v in matmul.items()},
                "rows": rows, "long_cache_rows": long_rows}
@@ -245,6 +271,7 @@ def configs(args, device) -> list[dict]:
     prompt), and the long-cache pair (a 100-token context in a 2k and a 32k cache)."""
     shapes = args.shapes or SHAPES.get(device.type, SHAPES["cpu"])
     common = dict(new_tokens=args.new_tokens, repeats=args.repeats, cpu_kernels=args.cpu_kernels)
+    ours = dict(guided=True) if args.guided else {}
     out = []
     for shape, weights, mode, batch, prompt in itertools.product(shapes, args.weights, args.modes, args.batches,
                                                                  args.prompts):
@@ -252,7 +279,8 @@ def configs(args, device) -> list[dict]:
         prefill_row = weights == "bf16" and mode == "compiled" and batch == min(args.batches)  # prefill's FLOP/s
         if args.quick and not (small or prefill_row):
             continue
-        out.append(dict(impl="ours", shape=shape, weights=weights, mode=mode, batch=batch, prompt=prompt, **common))
+        out.append(dict(impl="ours", shape=shape, weights=weights, mode=mode, batch=batch, prompt=prompt, **common,
+                        **ours))
     if args.transformers:
         out += [dict(impl="transformers", shape=shape, weights="bf16", mode=mode, batch=1, prompt=min(args.prompts),
                      **common) for shape in shapes for mode in args.modes]
@@ -295,6 +323,23 @@ def print_long_cache(rows: list[dict]):
     for r in rows:
         print(f"| {r['shape']} | {r['cache']} | {r['prompt']} | {r['decode_tok_s']:.1f} | "
               f"{100 * r['decode_tok_s'] / base[r['shape']]:.0f}% | {r['peak_memory_gb']:.2f} |", flush=True)
+
+
+def print_guided(rows: list[dict]):
+    """Each run of ours against the same run under the JSON schema: decode tokens per second, counting every new
+    token (a forced one too), and the share of forced tokens; then steps per second with fast-forward off, where
+    every step is one token as in plain decoding, so that the ratio is what the mask costs a step."""
+    rows = [r for r in rows if "guided_tok_s" in r]
+    if not rows:
+        return
+    print("\n| shape | weights | mode | batch | decode tok/s | guided tok/s | ratio | forced | steps/s | "
+          "guided steps/s, no fast-forward | ratio |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+          "---: | ---: |")
+    for r in rows:
+        plain, steps = r["guided_plain_tok_s"], r["decode_tok_s"] / r["batch"]
+        print(f"| {r['shape']} | {r['weights']} | {r['mode']} | {r['batch']} | {plain:.1f} | {r['guided_tok_s']:.1f} | "
+              f"{r['guided_tok_s'] / plain:.2f} | {100 * r['guided_forced']:.0f}% | {steps:.1f} | "
+              f"{r['guided_mask_steps_s']:.1f} | {r['guided_mask_steps_s'] / steps:.2f} |", flush=True)
 
 
 def plot(results: dict, path: Path):

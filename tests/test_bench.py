@@ -16,3 +16,15 @@ def test_bench_speculative_quick_runs_every_row_and_writes_json(tmp_path):
     sets = json.loads(out.read_text())["sets"]
     assert sets and all({"plain", "prompt lookup, n=3, K<=8"} <= set(rows) for rows in sets.values())
     assert all(row["tokens_per_sec"] > 0 for rows in sets.values() for row in rows.values())
+
+
+def test_bench_guided_pairs_each_run_with_a_guided_one(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--guided", "--shapes", "built-in",
+                             "--weights", "bf16", "--modes", "eager", "--batches", "1", "--prompts", "16",
+                             "--new_tokens", "16", "--repeats", "1", "--no-transformers", "--no-long_cache",
+                             "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["guided_tok_s"] > 0 and row["guided_mask_steps_s"] > 0 and 0 < row["guided_forced"] < 1
+    assert "guided steps/s, no fast-forward" in result.stdout

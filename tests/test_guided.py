@@ -216,22 +216,24 @@ def test_speculative_guided_sampling_keeps_to_the_grammar(builtin_f32):
 
 def test_compiled_guided_decoding_matches_eager_and_compiles_once(builtin_f32):
     model, _, tok = builtin_f32
-    steps, g = build_steps(compile=True), guide(model, tok, schema_grammars(SCHEMAS[:2]))
-    model.setup_caches(2, 256)  # large enough for every call below: a new cache would be a new graph input
-    prompts = [tok.encode("data = ")] * 2
-    eager = generate(model, prompts, 100, tok.eos_ids, guide=g, temperature=0)
-    compiled = generate(model, prompts, 100, tok.eos_ids, guide=g, steps=steps, temperature=0)
-    assert compiled.rows == eager.rows
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    again = generate(model, [tok.encode("person = ")] * 2, 100, tok.eos_ids, guide=g, steps=steps, temperature=0)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # a new prompt, new masks: no recompile
-    assert_valid(tok, again.rows, SCHEMAS[:2])
+    steps = build_steps(compile=True)
+    model.setup_caches(1, 256)  # large enough for every call below: a new cache would be a new graph input
+    g = guide(model, tok, schema_grammars([PERSON]))  # batch 1: the steps see one token and several (fast-forward)
+    eager = generate(model, [tok.encode("person = ")], 100, tok.eos_ids, guide=g, temperature=0)
+    compiled = generate(model, [tok.encode("person = ")], 100, tok.eos_ids, guide=g, steps=steps, temperature=0)
+    assert compiled.rows == eager.rows and compiled.forced > 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    other = guide(model, tok, schema_grammars(SCHEMAS[1:2]))
+    again = generate(model, [tok.encode("data = ")], 100, tok.eos_ids, guide=other, steps=steps, temperature=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # new prompt, schema, masks: no compile
+    assert_valid(tok, again.rows, SCHEMAS[1:2])
 
 
 def test_int8_and_int4_models_keep_to_the_schema(tmp_path):
     tok = load_tokenizer(BUILTIN, read_config(BUILTIN))
     for mode in ("int8", "int4"):
-        run("scripts/quantize_checkpoint.py", "--checkpoint_path", BUILTIN, "--mode", mode, "--out_dir", tmp_path / mode)
+        run("scripts/quantize_checkpoint.py", "--checkpoint_path", BUILTIN, "--mode", mode,
+            "--out_dir", tmp_path / mode)
         model = load_model(tmp_path / mode, torch.device("cpu"), torch.bfloat16)
         result = generate(model, [tok.encode("data = ")] * 5, 160, tok.eos_ids,
                           guide=guide(model, tok, schema_grammars(SCHEMAS[:5])), temperature=0)
