@@ -267,3 +267,52 @@ def test_chat_py_replies_match_the_schema_turn_after_turn(smollm2):
     assert len(replies) == 2
     for reply in replies:
         jsonschema.validate(json.loads(reply), PERSON)
+
+
+@pytest.mark.parametrize("proposer", ["prompt_lookup", "draft"])
+def test_sampled_speculative_guided_decoding_has_the_masked_target_distribution(checkpoint, sp_model_path, tmp_path,
+                                                                               proposer):
+    """Two sampled tokens under a regex, 2000 times, against the exact joint distribution of the target's
+    probabilities renormalized over the tokens the grammar allows at each step."""
+    from conftest import convert, save_hf_llama
+    from test_speculative import chi_square_p_value
+    target = load_model(checkpoint, torch.device("cpu"), torch.float32, "off")
+    save_hf_llama(tmp_path / "hf", sp_model_path, seed=1)  # a second random model: the draft
+    draft = load_model(convert(tmp_path / "hf", tmp_path / "draft"), torch.device("cpu"), torch.float32, "off")
+    tok = load_tokenizer(checkpoint, read_config(checkpoint))
+    g = guide(target, tok, [guided.regex("[ab]{3,6}")], k=2)
+
+    def allowed_after(tokens):  # the grammar's allowed tokens after these, and whether it is complete there
+        g.reset()
+        for t in tokens:
+            g.consume(0, t)
+        bits = g.fill()[0]
+        return [t for t in range(target.args.vocab_size) if guided.allows(bits, t)], g.complete(0)
+
+    first, _ = allowed_after([])
+    prompt = [tok.bos_id] + first * 3  # every allowed token is followed by one: prompt lookup always proposes
+    joint = {}
+    with torch.no_grad():
+        def masked_probs(tokens, allowed):
+            logits = target(torch.tensor([tokens]))[0, -1]
+            return torch.full_like(logits, -float("inf")).index_copy(0, torch.tensor(allowed), logits[allowed]) \
+                .softmax(-1)
+        p1 = masked_probs(prompt, first)
+        for x1 in first:
+            second, complete = allowed_after([x1])
+            if complete:
+                joint[(x1, None)] = p1[x1].item()
+                continue
+            p2 = masked_probs(prompt + [x1], second)
+            joint.update({(x1, x2): (p1[x1] * p2[x2]).item() for x2 in second})
+    cells = list(joint)
+    counts, kept = torch.zeros(len(cells)), 0
+    torch.manual_seed(0)
+    for _ in range(2000):
+        r = speculative_generate(target, prompt, 2, 2, draft=draft if proposer == "draft" else None,
+                                 ngram=1 if proposer == "prompt_lookup" else None, guide=g, temperature=1.0)
+        row = r.rows[0]
+        counts[cells.index((row[0], row[1] if len(row) > 1 else None))] += 1
+        kept += sum(j * c for j, c in enumerate(r.accept_histogram))
+    assert kept > 100  # proposals were verified and taken, not only drawn afresh
+    assert chi_square_p_value(counts, torch.tensor([joint[c] for c in cells])) > 1e-3
