@@ -443,7 +443,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def add_guided_options(p: argparse.ArgumentParser):
-    g = p.add_argument_group("guided generation", "the output always matches: give one for every prompt, or one "
+    g = p.add_argument_group("guided generation", "the output always matches: give one for all prompts, or one "
                              "per prompt (in the order of the prompts); a row ends once its grammar is complete")
     g.add_argument("--json_schema", dest="guides", action="append", type=guided.json_schema, metavar="FILE_OR_JSON",
                    help="a JSON schema, as a file or as JSON text")
