@@ -63,7 +63,7 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     return {"type": "boolean"}
 
 
-SCHEMAS = [random_schema(random.Random(i)) for i in range(50)]
+SCHEMAS = [random_schema(random.Random(i)) for i in range(50)]  # each at most 232 characters (escapes aside): 256 tokens fit
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_fifty_random_schemas_give_valid_json_on_the_builtin_model_a_schema_per_
     model, tok = builtin
     for i in range(0, 50, 25):
         schemas = SCHEMAS[i : i + 25]
-        result = generate(model, [tok.encode("data = ")] * 25, 160, tok.eos_ids,
+        result = generate(model, [tok.encode("data = ")] * 25, 256, tok.eos_ids,
                           guide=guide(model, tok, schema_grammars(schemas)), temperature=0)
         assert result.incomplete == []
         assert_valid(tok, result.rows, schemas)
@@ -123,7 +123,7 @@ def test_fifty_random_schemas_give_valid_json_on_smollm2(smollm2):
     torch.manual_seed(0)
     for i in range(0, 50, 25):
         schemas = SCHEMAS[i : i + 25]
-        result = generate(model, [prompt] * 25, 160, tok.eos_ids, guide=guide(model, tok, schema_grammars(schemas)),
+        result = generate(model, [prompt] * 25, 256, tok.eos_ids, guide=guide(model, tok, schema_grammars(schemas)),
                           temperature=0.7)
         assert result.incomplete == []
         assert_valid(tok, result.rows, schemas)
@@ -206,7 +206,7 @@ def test_speculative_guided_sampling_keeps_to_the_grammar(builtin_f32):
     torch.manual_seed(0)
     kept = 0
     for schema in SCHEMAS[:4]:
-        result = speculative_generate(model, tok.encode("data = "), 160, 4, draft=draft, eos_ids=tok.eos_ids,
+        result = speculative_generate(model, tok.encode("data = "), 256, 4, draft=draft, eos_ids=tok.eos_ids,
                                       guide=guide(model, tok, schema_grammars([schema]), k=4), temperature=0.8)
         assert result.incomplete == []
         assert_valid(tok, result.rows, [schema])
@@ -235,7 +235,7 @@ def test_int8_and_int4_models_keep_to_the_schema(tmp_path):
         run("scripts/quantize_checkpoint.py", "--checkpoint_path", BUILTIN, "--mode", mode,
             "--out_dir", tmp_path / mode)
         model = load_model(tmp_path / mode, torch.device("cpu"), torch.bfloat16)
-        result = generate(model, [tok.encode("data = ")] * 5, 160, tok.eos_ids,
+        result = generate(model, [tok.encode("data = ")] * 5, 256, tok.eos_ids,
                           guide=guide(model, tok, schema_grammars(SCHEMAS[:5])), temperature=0)
         assert result.incomplete == []
         assert_valid(tok, result.rows, SCHEMAS[:5])
