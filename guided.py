@@ -159,8 +159,12 @@ class Guide:
             raise RuntimeError(f"the grammar rejected token {token}: {self.matchers[row].get_error()}")
 
     def complete(self, row: int) -> bool:
-        """The grammar is satisfied and nothing can follow: stop without waiting for EOS."""
-        return self.matchers[row].is_stopped()
+        """The grammar is satisfied and nothing can follow: stop without waiting for EOS. A matcher that failed
+        (llguidance's limits on grammar work per token, say) is stopped too: that is an error, not an output."""
+        m = self.matchers[row]
+        if m.is_error():
+            raise ValueError(f"the grammar matcher failed: {m.get_error().strip().splitlines()[0]}")
+        return m.is_stopped()
 
     def incomplete(self, row: int) -> bool:  # a row cut by max_new_tokens before its grammar was satisfied
         return not self.matchers[row].is_accepting()
