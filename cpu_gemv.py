@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 PRELUDE = r"""
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <vector>
@@ -52,51 +53,29 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch do
     return (u + 0x7fff + ((u >> 16) & 1)) >> 16;
 }
 
+// AVX2 helpers, which both kernel sets use
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
 // y[i] = v, as bf16, or as fp32 where the caller asked for it (the output head: logits a bf16 step apart tie)
 static inline void put(void* y, int64_t i, float v, int64_t f32) {
     if (f32) ((float*)y)[i] = v;
     else ((uint16_t*)y)[i] = to_bf16(v);
 }
-
-struct XQ {  // one row of x, prepared for the int4 product
-    std::vector<int8_t> even, odd;  // xq at the positions of the low and high nibbles: [K / 2] each
-    std::vector<float> d, c, sum;   // per group: the scale d, d * sum xq, and sum x
-};
-
-static void prepare(const uint16_t* x, int64_t K, int64_t G, XQ& p) {
-    p.even.resize(K / 2); p.odd.resize(K / 2); p.d.resize(K / G); p.c.resize(K / G); p.sum.resize(K / G);
-    std::vector<float> v(G);
-    for (int64_t g = 0; g < K / G; g++) {
-        float amax = 0.f, sum = 0.f;
-        for (int64_t j = 0; j < G; j++) {
-            v[j] = from_bf16(x[g * G + j]);
-            amax = fmaxf(amax, fabsf(v[j]));
-            sum += v[j];
-        }
-        float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-        int xs = 0;
-        for (int64_t j = 0; j < G; j++) {  // element k is in byte k / 2 of the row, low nibble if k is even
-            int q = (int)lrintf(v[j] * inv);
-            xs += q;
-            ((g * G + j) % 2 ? p.odd : p.even)[(g * G + j) / 2] = (int8_t)q;
-        }
-        p.d[g] = d; p.c[g] = d * xs; p.sum[g] = sum;
-    }
-}
 """
 
 AVX2 = r"""
-#include <immintrin.h>
 
 // unpacklo/hi with zeros put each bf16 in the top half of an fp32: elements 0-3, 8-11 and 4-7, 12-15 of 16
 static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
 static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // one row of w against one row of x (already fp32, in lo/hi order): 8 independent FMA chains, and the row is
 // read front to back, which the hardware prefetcher follows even for short rows
@@ -116,54 +95,8 @@ static inline float dot(const float* x, const uint16_t* w, int64_t K) {
         a[1] = _mm256_fmadd_ps(hi(v), _mm256_loadu_ps(x + k + 8), a[1]);
     }
     for (int i = 1; i < 8; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-    return hsum(a[0]);
+    return hsum8(a[0]);
 }
-
-// the same for int8 weights, x in plain order: a sign-extending load and a conversion per 8 weights
-static inline float dot_i8(const float* x, const int8_t* w, int64_t K) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64)
-        for (int c = 0; c < 8; c++) {
-            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * c))));
-            a[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k + 8 * c), a[c]);
-        }
-    for (; k < K; k += 8) {
-        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k))));
-        a[0] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k), a[0]);
-    }
-    for (int i = 1; i < 8; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-    return hsum(a[0]);
-}
-
-
-// int4 weights, w = (q - 8) * scale + zero per group of G (a multiple of 64) along K, two q per byte (low nibble
-// first). x is quantized to int8 per group (x ~ d * xq), so that _mm256_maddubs_epi16 multiplies 32 q by 32 xq and
-// adds pairs in one instruction, and a group's products add up in 16-bit lanes (at most 4 x 2 x 2 x 15 x 127 <
-// 2^15): the weights are never widened to fp32, which is what lets int4 keep up with memory.
-// Per group: sum (q - 8) x ~ d * (sum q xq - 8 sum xq).
-static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                           int64_t K, int64_t G) {
-    const __m256i nib = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 total = _mm256_setzero_ps();
-    float rest = 0.f;
-    for (int64_t g = 0; g < K / G; g++) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int64_t k = g * G / 2; k < (g + 1) * G / 2; k += 32) {  // k: bytes, 64 weights per step
-            __m256i v = _mm256_loadu_si256((const __m256i*)(w + k));
-            __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)&p.even[k])));
-            acc = _mm256_add_epi16(acc, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)&p.odd[k])));
-        }
-        float sg = from_bf16(scales[g]);
-        __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc, ones));
-        total = _mm256_fmadd_ps(f, _mm256_set1_ps(sg * p.d[g]), total);
-        rest += from_bf16(zeros[g]) * p.sum[g] - 8.f * sg * p.c[g];
-    }
-    return hsum(total) + rest;
-}
-
 
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
 extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
@@ -182,32 +115,325 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t
 }
 """
 
-DRIVERS = r"""
-// the int8 and int4 products over all rows, around each instruction set's dot_i8 and dot_i4
-// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 8
+QUANTIZED = r"""
+// The int8 and int4 products, for both instruction sets (AVX2 instructions, and VNNI's dpbusd where present). x is
+// rounded to int8 per block (int8: 32 values; int4: the weights' group), x ~ d * xq, so that a block's products are
+// integer multiply-adds: 32 at a time by maddubs (or dpbusd) instead of 8 float FMAs after widening each weight.
+// That is what lets the quantized products keep up with memory; the rounding costs about 0.5% per product.
+
+struct XQ {  // one row of x rounded to int8 per block of B: xq, and per block the scale d, d * sum xq, and sum x
+    std::vector<int8_t> q;
+    std::vector<float> d, c, sum;
+};
+
+// even_odd (int4): within every 64 values, the 32 at even positions first, then the 32 at odd ones, which is where
+// a 32-byte load of packed weights finds them (its low nibbles, then its high ones)
+static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd, XQ& p) {
+    p.q.resize(K); p.d.resize(K / B); p.c.resize(K / B); p.sum.resize(K / B);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t b = 0; b < K / B; b++) {
+        const uint16_t* xb = x + b * B;
+        __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < B; j += 8) {
+            __m256 v = widen8(xb + j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+            sum = _mm256_add_ps(sum, v);
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        float d = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        __m256i qsum = _mm256_setzero_si256();
+        for (int64_t j = 0; j < B; j += 8) {  // rounded to nearest even, as lrintf does
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(xb + j), _mm256_set1_ps(inv)));
+            qsum = _mm256_add_epi32(qsum, q);
+            int32_t t[8];
+            _mm256_storeu_si256((__m256i*)t, q);
+            for (int i = 0; i < 8; i++) {
+                int64_t k = b * B + j + i;
+                p.q[even_odd ? k / 64 * 64 + (k % 2) * 32 + k % 64 / 2 : k] = (int8_t)t[i];
+            }
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        p.d[b] = d; p.c[b] = d * _mm_cvtsi128_si32(s4); p.sum[b] = hsum8(sum);
+    }
+}
+
+// int8 w (scale per row) against x in blocks of 32: |w| times x with w's sign, as maddubs wants unsigned by signed
+static inline float dot_i8(const XQ& p, const int8_t* w, int64_t K) {
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), x = _mm256_loadu_si256((const __m256i*)&p.q[k]);
+        __m256i a = _mm256_sign_epi8(v, v), sx = _mm256_sign_epi8(x, v);
+#ifdef __AVX512VNNI__
+        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, sx);
+#else
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1));
+#endif
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&p.d[k / 32]), total);
+    }
+    return hsum8(total);
+}
+
+// int4 w = (q - 8) * scale + zero per group of G (64, 128 or 256) along K, two q per byte (low nibble first). A group's
+// products add up in 16-bit lanes (at most G/64 x 2 x 2 x 15 x 127 < 2^15), or in 32-bit ones with dpbusd; per group
+// sum (q - 8) x ~ d * (sum q xq) - 8 c. The per-group float work is done 8 groups at a time.
+template <int G>
+static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    __m256 total = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
+    const int64_t groups = K / G;
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        alignas(32) float sd[8];  // scale * d per group
+        if (g0 + 8 <= groups) {
+            __m256 s = widen8(scales + g0), sdv = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
+            _mm256_store_ps(sd, sdv);
+            rest = _mm256_fmadd_ps(widen8(zeros + g0), _mm256_loadu_ps(&p.sum[g0]), rest);
+            rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), rest);
+        } else {
+            float r = 0.f;
+            for (int64_t g = g0; g < groups; g++) {
+                sd[g - g0] = from_bf16(scales[g]) * p.d[g];
+                r += from_bf16(zeros[g]) * p.sum[g] - 8.f * from_bf16(scales[g]) * p.c[g];
+            }
+            rest = _mm256_add_ps(rest, _mm256_setr_ps(r, 0, 0, 0, 0, 0, 0, 0));
+        }
+        for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
+            const uint8_t* wg = w + g * G / 2;
+            const int8_t* xg = &p.q[g * G];
+            __m256i acc = _mm256_setzero_si256();
+            for (int j = 0; j < G / 64; j++) {  // 64 weights per step; unrolled, G being a constant
+                __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 32 * j));
+                __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                __m256i xe = _mm256_loadu_si256((const __m256i*)(xg + 64 * j));
+                __m256i xo = _mm256_loadu_si256((const __m256i*)(xg + 64 * j + 32));
+#ifdef __AVX512VNNI__
+                acc = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, xe), hi, xo);
+#else
+                acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
+#endif
+            }
+#ifndef __AVX512VNNI__
+            acc = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+            total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_broadcast_ss(&sd[g - g0]), total);
+        }
+    }
+    return hsum8(_mm256_add_ps(total, rest));
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
-    std::vector<float> xs(M * K);
-    for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
+    std::vector<XQ> xq(M);
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, false, xq[m]);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
+        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot_i8(xq[m], w + n * K, K) * from_bf16(scales[n]), f32);
+}
+
+template <int G>
+static void gemv_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                    void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot_i8(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), f32);
+        for (int64_t m = 0; m < M; m++)
+            put(y, m * N + n, dot_i4<G>(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K), f32);
 }
 
 // y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
 extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ> xq(M);
-    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, xq[m]);
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, true, xq[m]);
+    if (G == 64) gemv_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
+    else if (G == 128) gemv_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
+    else gemv_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
+}
+
+// prefill's int4 weights: w [N, K / 2] packed, scales and zeros [N, K / G] -> out [N, K] in fp32 (or bf16), for a
+// GEMM of many rows; one pass, where torch's elementwise ops make several full-size temporaries
+extern "C" void dequantize_int4(const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* out,
+                                int64_t N, int64_t K, int64_t G, int64_t f32) {
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            put(y, m * N + n, dot_i4(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K, G), f32);
+        for (int64_t g = 0; g < K / G; g++) {
+            float table[16], s = from_bf16(scales[n * (K / G) + g]), z = from_bf16(zeros[n * (K / G) + g]);
+            for (int q = 0; q < 16; q++) table[q] = (q - 8) * s + z;
+            const uint8_t* wg = w + (n * K + g * G) / 2;
+            int64_t at = n * K + g * G;
+            for (int64_t j = 0; j < G / 2; j++) {
+                put(out, at + 2 * j, table[wg[j] & 15], f32);
+                put(out, at + 2 * j + 1, table[wg[j] >> 4], f32);
+            }
+        }
+}
+
+// ---- attention for a few query rows (decode, verification) over the bf16 KV cache --------------------------------
+// torch's CPU attention costs ~0.2 ms a layer at any context and ~10 ms at 4k; this one streams K and V once per KV
+// head for all the query rows that share it (grouped-query attention), split along the context so that every core
+// has work, as flash-decoding does, and merges the parts with their softmax maxima.
+
+static inline __m256 exp8(__m256 x) {  // e^x for x <= 0 (x >= -87.3; less gives 0), relative error ~2e-7
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);  // x - n ln 2, in two parts for precision
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline __m256 sum8x8(const __m256* a) {  // lane t: the sum of a[t]'s lanes
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+enum { CHUNK = 256 };  // cache positions per task
+
+// One task: the R = (H / Hkv) * S query rows of one KV head, over cache positions [j0, j1) (k and v point at the
+// head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
+// and the unnormalized output (D values) to part [R][D + 2]. D a constant, so a row of q (64 dimensions at a time)
+// and the accumulators stay in registers.
+template <int D>
+static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
+                         int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
+    static thread_local std::vector<float> kv, sc;
+    static thread_local std::vector<uint8_t> live;  // per row and block of 8 positions: any of them attended
+    // dimensions per pass: QK keeps 8 accumulators and P / 8 vectors of q in registers, PV its PV / 8 accumulators
+    constexpr int P = D < 32 ? D : 32, PV = D < 64 ? D : 64;
+    const int64_t C = j1 - j0, C8 = (C + 7) / 8 * 8;
+    kv.resize(C8 * D); sc.resize(R * C8); live.resize(R * C8 / 8);
+    for (int64_t j = 0; j < C8; j++)  // this chunk of K in fp32, zero past its end
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(&kv[j * D + d], j < C ? widen8(k + (j0 + j) * D + d) : _mm256_setzero_ps());
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t* mr = mask + (r % S) * L + j0;
+        float* s = &sc[r * C8];
+        __m256 mx = ninf;
+        for (int64_t j = 0; j < C8; j += 8) {
+            __m256i m8;  // the mask's 8 bytes (none past the chunk's end): attend where nonzero
+            if (j + 8 <= C) m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mr + j)));
+            else {
+                alignas(32) int32_t t8[8];
+                for (int t = 0; t < 8; t++) t8[t] = j + t < C ? mr[j + t] : 0;
+                m8 = _mm256_load_si256((const __m256i*)t8);
+            }
+            live[r * (C8 / 8) + j / 8] = !_mm256_testz_si256(m8, m8);
+            if (!live[r * (C8 / 8) + j / 8]) {  // masked whole: a short context in a longer bucket skips the rest
+                _mm256_storeu_ps(s + j, ninf);
+                continue;
+            }
+            __m256 a[8];
+            for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
+            for (int d0 = 0; d0 < D; d0 += P) {
+                __m256 qv[P / 8];
+                for (int i = 0; i < P / 8; i++) qv[i] = _mm256_loadu_ps(qf + r * D + d0 + 8 * i);
+                for (int t = 0; t < 8; t++)
+                    for (int i = 0; i < P / 8; i++)
+                        a[t] = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(&kv[(j + t) * D + d0 + 8 * i]), a[t]);
+            }
+            __m256 off = _mm256_castsi256_ps(_mm256_cmpeq_epi32(m8, _mm256_setzero_si256()));
+            __m256 st = _mm256_blendv_ps(sum8x8(a), ninf, off);
+            _mm256_storeu_ps(s + j, st);
+            mx = _mm256_max_ps(mx, st);
+        }
+        float m = hmax8(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < C8; j += 8) {
+            __m256 p = m == -INFINITY ? _mm256_setzero_ps() : exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+            _mm256_storeu_ps(s + j, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        part[r * (D + 2)] = m;
+        part[r * (D + 2) + 1] = hsum8(sum);
+    }
+    for (int64_t j = 0; j < C; j++)  // V likewise, then each row's weights times it
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(&kv[j * D + d], widen8(v + (j0 + j) * D + d));
+    for (int64_t r = 0; r < R; r++) {
+        const float* p = &sc[r * C8];
+        for (int d0 = 0; d0 < D; d0 += PV) {
+            __m256 acc[PV / 8];
+            for (int i = 0; i < PV / 8; i++) acc[i] = _mm256_setzero_ps();
+            for (int64_t j8 = 0; j8 < C; j8 += 8) {
+                if (!live[r * (C8 / 8) + j8 / 8]) continue;
+                for (int64_t j = j8; j < j8 + 8 && j < C; j++) {
+                    __m256 pj = _mm256_broadcast_ss(p + j);
+                    for (int i = 0; i < PV / 8; i++)
+                        acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(&kv[j * D + d0 + 8 * i]), acc[i]);
+                }
+            }
+            for (int i = 0; i < PV / 8; i++) _mm256_storeu_ps(part + r * (D + 2) + 2 + d0 + 8 * i, acc[i]);
+        }
+    }
+}
+
+// out[B, H, S, D] = softmax(q k^T / sqrt(D) + mask) v, bf16; q [B, H, S, D] contiguous; k and v [B, Hkv, L, D]
+// with rows of D contiguous and strides kb, kh; mask [B, S, L] bytes (nonzero: attend), batch stride mb (0: shared).
+// D one of 64, 128, 256, 32, 16 or 8; H a multiple of Hkv, query head h reading KV head h / (H / Hkv).
+extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out,
+                       int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
+                       int64_t mb) {
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks;
+    std::vector<float> qf(B * H * S * D), parts(tasks * R * (D + 2));
+    const float scale = 1.f / sqrtf((float)D);
+    for (int64_t i = 0; i < B * H * S * D; i++) qf[i] = from_bf16(q[i]) * scale;
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
+        // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
+        const float* qt = &qf[(b * H + h * G) * S * D];
+        const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
+        const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+        float* part = &parts[t * R * (D + 2)];
+        switch (D) {
+            case 64: attend_chunk<64>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+            case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+            case 256: attend_chunk<256>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+            case 32: attend_chunk<32>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+            case 16: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+            default: attend_chunk<8>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
+        }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < B * Hkv * R; i++) {  // merge the chunks of each row: weights e^(m_c - max m)
+        int64_t bh = i / R, r = i % R;
+        const float* first = &parts[(bh * chunks) * R * (D + 2) + r * (D + 2)];
+        float m = -INFINITY, l = 0.f;
+        for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, first[c * R * (D + 2)]);
+        std::vector<float> o(D, 0.f);
+        for (int64_t c = 0; c < chunks; c++) {
+            const float* pc = first + c * R * (D + 2);
+            if (pc[0] == -INFINITY) continue;
+            float w = expf(pc[0] - m);
+            l += w * pc[1];
+            for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+        }
+        int64_t b = bh / Hkv, h = bh % Hkv * G + r / S, s = r % S;
+        for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[d] / l);
+    }
 }
 """
 
 AVX512 = r"""
-#include <immintrin.h>
 
 // bf16. With AVX512-BF16, dpbf16 multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes: x stays bf16
 // and the weights are never widened. Without it, a bf16 widened by a 16-bit shift is its fp32 value.
@@ -253,57 +479,9 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t
         for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
 }
 
-// int8: sign-extended and converted 16 at a time; K a multiple of 8, the last 8 masked
-static inline float dot_i8(const float* x, const int8_t* w, int64_t K) {
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64)
-        for (int c = 0; c < 4; c++) {
-            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16 * c))));
-            a[c] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + k + 16 * c), a[c]);
-        }
-    for (; k < K; k += 16) {
-        __mmask16 m = K - k >= 16 ? 0xffff : 0xff;
-        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w + k)));
-        a[0] = _mm512_fmadd_ps(v, _mm512_maskz_loadu_ps(m, x + k), a[0]);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-}
-
-
-// int4 (see prepare): 256-bit vectors, which measured faster here than 512-bit ones (a group of 64 to 256 weights is
-// only 32 to 128 bytes, so wider vectors leave more work per group). With VNNI one dpbusd multiplies 32 unsigned
-// nibbles by 32 signed xq and adds them in fours into int32 lanes; without, maddubs adds pairs into 16-bit lanes
-// (at most 4 x 2 x 2 x 15 x 127 < 2^15 per group) and one madd per group widens them.
-static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                           int64_t K, int64_t G) {
-    const __m256i nib = _mm256_set1_epi8(15);
-    __m256 total = _mm256_setzero_ps();
-    float rest = 0.f;
-    for (int64_t g = 0; g < K / G; g++) {
-        __m256i acc = _mm256_setzero_si256();
-        for (int64_t k = g * G / 2; k < (g + 1) * G / 2; k += 32) {  // k: bytes, 64 weights per step
-            __m256i v = _mm256_loadu_si256((const __m256i*)(w + k));
-            __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            __m256i xe = _mm256_loadu_si256((const __m256i*)&p.even[k]), xo = _mm256_loadu_si256((const __m256i*)&p.odd[k]);
-#ifdef __AVX512VNNI__
-            acc = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, xe), hi, xo);
-#else
-            acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
-#endif
-        }
-#ifndef __AVX512VNNI__
-        acc = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
-#endif
-        float sg = from_bf16(scales[g]);
-        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sg * p.d[g]), total);
-        rest += from_bf16(zeros[g]) * p.sum[g] - 8.f * sg * p.c[g];
-    }
-    return _mm512_reduce_add_ps(_mm512_zextps256_ps512(total)) + rest;
-}
-
 """
 MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
+PROBE_ROWS = 256  # the rows of the product that decides the prefill dtype
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
 
 
@@ -342,7 +520,7 @@ def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
 def build(source: str, flags: list[str]) -> ctypes.CDLL:
     """The compiled kernels, from the cache when this source was built with these flags before."""
     flags = ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"]
-    source = PRELUDE + source + DRIVERS
+    source = PRELUDE + source + QUANTIZED
     lib = CACHE / f"gemv-{hashlib.sha256((source + ' '.join(flags)).encode()).hexdigest()[:16]}.so"
     if not lib.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -356,6 +534,8 @@ def build(source: str, flags: list[str]) -> ctypes.CDLL:
     dll.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
     dll.gemv_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     dll.gemv_int4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+    dll.dequantize_int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    dll.attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9
     return dll
 
 
@@ -397,6 +577,8 @@ _ops = torch.library.Library("fast_decode", "DEF")
 _ops.define("gemv_bf16(Tensor x, Tensor w, bool f32=False) -> Tensor")
 _ops.define("gemv_int8(Tensor x, Tensor w, Tensor scales, bool f32=False) -> Tensor")
 _ops.define("gemv_int4(Tensor x, Tensor w, Tensor scales, Tensor zeros, bool f32=False) -> Tensor")
+_ops.define("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
+_ops.define("dequantize_int4(Tensor w, Tensor scales, Tensor zeros, bool f32) -> Tensor")
 
 
 def out(x: Tensor, n: int, f32: bool) -> Tensor:  # [..., n], bf16 or float32
@@ -429,6 +611,27 @@ def gemv_int4(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, f32: bool = F
     return y
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    # q [B, H, S, D] bf16, k and v [B, Hkv, L, D] bf16 (slices of the cache: rows of D contiguous), mask [B|1, 1, S, L]
+    # bool -> [B, H, S, D]
+    q, (B, H, S, D), (Hkv, L) = q.contiguous(), q.shape, k.shape[1:3]
+    m = mask.expand(B, 1, S, L)
+    out = torch.empty_like(q)
+    _lib.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), out.data_ptr(), B, H, Hkv, S, L, D,
+                k.stride(0), k.stride(1), m.stride(0))
+    return out
+
+
+def dequantize_int4(w: Tensor, scales: Tensor, zeros: Tensor, f32: bool) -> Tensor:
+    # w [N, K'/2] uint8, scales and zeros [N, K'/G] bf16 -> [N, K'] float32 (or bf16)
+    out = w.new_empty(w.size(0), 2 * w.size(1), dtype=torch.float32 if f32 else torch.bfloat16)
+    _lib.dequantize_int4(w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), *out.shape,
+                         out.size(1) // scales.size(1), f32)
+    return out
+
+
+_ops.impl("attend", attend, "CPU")
+_ops.impl("dequantize_int4", dequantize_int4, "CPU")
 _ops.impl("gemv_bf16", gemv_bf16, "CPU")
 _ops.impl("gemv_int4", gemv_int4, "CPU")
 _ops.impl("gemv_int8", gemv_int8, "CPU")
@@ -449,25 +652,55 @@ def _(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, f32: bool = False) ->
     return out(x, w.size(0), f32)
 
 
+@torch.library.register_fake("fast_decode::attend")
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("fast_decode::dequantize_int4")
+def _(w: Tensor, scales: Tensor, zeros: Tensor, f32: bool) -> Tensor:
+    return w.new_empty(w.size(0), 2 * w.size(1), dtype=torch.float32 if f32 else torch.bfloat16)
+
+
 def few_rows(x: Tensor) -> bool:  # decode, verification, short prompts; inference only: the ops have no backward
     return x.numel() < MAX_ROWS * x.size(-1) and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+def rows_of_d(t: Tensor) -> bool:  # [B, H, L, D] with each row of D contiguous, rows D apart
+    return t.stride(-1) == 1 and t.stride(-2) == t.size(-1)
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
+         enable_gqa: bool = False) -> Tensor:
+    """F.scaled_dot_product_attention, with a few query rows over a bf16 KV cache through attend() (decode and
+    verification: q [B, H, S, D] for S < MAX_ROWS, a boolean mask [B|1, 1, S, L]); anything else through torch's."""
+    if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.size(1) == 1 and q.size(2) < MAX_ROWS
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.size(-1) in (8, 16, 32, 64, 128, 256)
+            and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v) and k.stride() == v.stride()
+            and attn_mask.stride(-1) == 1 and attn_mask.stride(-2) == attn_mask.size(-1)
+            and not (torch.is_grad_enabled() and q.requires_grad)):
+        return torch.ops.fast_decode.attend(q, k, v, attn_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
 
 
 # ---- prefill: bf16 or fp32, measured -------------------------------------------------------------------------------
 
 def prefill_dtype(n: int, k: int) -> torch.dtype:
-    """The faster dtype here for a product of MAX_ROWS rows with a bf16 [n, k] weight: bf16, or fp32 with the
-    weight converted on the fly. CPUs without bf16 matrix instructions run torch's bf16 GEMM at about 1 GFLOP/s
-    against 100+ in fp32; with them bf16 wins. Timed once per machine, torch and shape, cached beside the kernels."""
+    """The faster dtype here for a prefill-sized product (PROBE_ROWS rows) with a bf16 [n, k] weight: bf16, or fp32
+    with the weight converted on the fly. CPUs without bf16 matrix instructions run torch's bf16 GEMM at a fifth
+    of its fp32 speed or less; with them bf16 wins. At MAX_ROWS rows the two are close (converting the weight
+    costs as much as the product), so that is no place to measure. Timed once per machine, torch and shape (at
+    most 4096 of its rows, speed per FLOP being the same), cached beside the kernels."""
+    n = min(n, 4096)
     key = f"{cpu_name()}, torch {torch.__version__}, " \
-          f"{torch.get_num_threads()} threads, {n}x{k}"
+          f"{torch.get_num_threads()} threads, {PROBE_ROWS} rows, {n}x{k}"
     path = CACHE / "prefill_dtype.json"
     try:
         verdicts = json.loads(path.read_text())
     except (OSError, ValueError):
         verdicts = {}
     if key not in verdicts:
-        x, w = torch.randn(MAX_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
+        x, w = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
         seconds = {}
         for dtype in (torch.float32, torch.bfloat16):
             times = []
@@ -512,9 +745,10 @@ class GemvBf16(nn.Module):
 
 class GemvInt8(nn.Module):
     """quantize.py's int8 layer (weight int8 [N, K], scales bf16 [N]): few rows through the kernel, more through
-    torch's int8 matmul, which reads the int8 weight directly."""
-    def __init__(self, weight: Tensor, scales: Tensor):
+    torch's GEMM in the measured dtype (its own int8 matmul runs a quarter as fast on AVX2)."""
+    def __init__(self, weight: Tensor, scales: Tensor, dtype: torch.dtype):
         super().__init__()
+        self.dtype = dtype
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.f32 = False
@@ -522,13 +756,14 @@ class GemvInt8(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if few_rows(x):
             return torch.ops.fast_decode.gemv_int8(x, self.weight, self.scales, self.f32)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.size(-1)), self.weight, self.scales)
-        return y.view(*x.shape[:-1], self.weight.size(0)).to(torch.float32 if self.f32 else x.dtype)
+        # the int8 weight holds its values exactly in either dtype; the scale, per output, applies after the product
+        y = F.linear(x.to(self.dtype), self.weight.to(self.dtype)) * self.scales.to(self.dtype)
+        return y.to(torch.float32 if self.f32 else x.dtype)
 
 
 class GemvInt4(nn.Module):
     """quantize.py's int4 layer in its stored layout (weight uint8 [N, K'/2], scales and zeros bf16 [N, K'/G]):
-    few rows through the kernel, more by dequantizing to the measured dtype, w = (q - 8) * scale + zero."""
+    few rows through the kernel, more by dequantizing (one pass, in C) to the measured dtype for torch's GEMM."""
     def __init__(self, m: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features, self.dtype = m.in_features, m.out_features, dtype
@@ -543,9 +778,8 @@ class GemvInt4(nn.Module):
         if few_rows(x):
             y = torch.ops.fast_decode.gemv_int4(x2, self.weight, self.scales, self.zeros, self.f32)
         else:
-            q = torch.stack([self.weight & 15, self.weight >> 4], -1).view(self.out_features, -1, k // self.scales.size(1))
-            w = ((q.to(self.dtype) - 8) * self.scales[..., None].to(self.dtype) + self.zeros[..., None].to(self.dtype))
-            y = F.linear(x2.to(self.dtype), w.flatten(1)).to(torch.float32 if self.f32 else x.dtype)
+            w = torch.ops.fast_decode.dequantize_int4(self.weight, self.scales, self.zeros, self.dtype == torch.float32)
+            y = F.linear(x2.to(w.dtype), w).to(torch.float32 if self.f32 else x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -560,8 +794,8 @@ def replacement(m: nn.Module, dtype: torch.dtype) -> Optional[nn.Module]:
     if _lib is None:
         return None  # the quantized layers' own paths are torch's kernels already
     scales, zeros = getattr(m, "scales", None), getattr(m, "zeros", None)
-    if w.dtype == torch.int8 and isinstance(scales, Tensor) and w.size(1) % 8 == 0 and zeros is None:
-        return GemvInt8(w, scales)
+    if w.dtype == torch.int8 and isinstance(scales, Tensor) and w.size(1) % 32 == 0 and zeros is None:
+        return GemvInt8(w, scales, dtype)
     if w.dtype == torch.uint8 and isinstance(scales, Tensor) and isinstance(zeros, Tensor) and \
             getattr(m, "scales_and_zeros", None) is None:
         groupsize = 2 * w.size(1) // scales.size(1)  # the kernel's 16-bit sums hold a group of at most 256
@@ -578,6 +812,8 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
     shapes = [(m.out_features, m.in_features) for m in model.modules() if hasattr(m, "out_features")]
     dtype = prefill_dtype(*max(shapes, key=lambda s: s[0] * s[1])) if shapes else torch.bfloat16
     for parent in list(model.modules()):
+        if _lib is not None and getattr(parent, "sdpa", None) is F.scaled_dot_product_attention:
+            parent.sdpa = sdpa  # model.py's attention takes its attention function from here
         for child_name, child in parent.named_children():
             new = replacement(child, dtype)
             if new is not None:

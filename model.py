@@ -198,6 +198,7 @@ class Attention(nn.Module):
         self.register_parameter("bqkv", nn.Parameter(torch.zeros(qkv_rows)) if args.qkv_bias else None)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
+        self.sdpa = F.scaled_dot_product_attention  # a kernel for decoding may take its place (see cpu_gemv.py)
 
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
         B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, L <= max_seq_length] or None for plain causal
@@ -213,8 +214,8 @@ class Attention(nn.Module):
             # would in a short cache, instead of streaming every allocated slot each step
             k, v = k[:, :, : mask.size(-1)], v[:, :, : mask.size(-1)]
         # enable_gqa lets several query heads share a KV head without copying the cache n_head/n_kv_head times
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=self.n_head != self.n_kv_head)
+        y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None,
+                      enable_gqa=self.n_head != self.n_kv_head)
         return self.wo(y.transpose(1, 2).reshape(B, S, q_size))
 
 

@@ -7,7 +7,8 @@ bf16 / int8 / int4 weights, eager / compiled, batch 1 / 8, prompts of 16 / 1024 
 transformers on the same shapes beside them; and a short context in a 2k and a 32k cache. With --guided, every run
 of ours is followed by the same generation under a JSON schema, and a table compares the two. Each configuration
 measures the copy bandwidth again right after its runs, and its "% of copy" is against that. It prints Markdown
-tables, writes JSON, and saves a PNG plot when matplotlib is installed."""
+tables, writes JSON, and saves a PNG plot when matplotlib is installed. With --peer llama.cpp it runs instead the
+same random checkpoint in this project and in llama.cpp (see scripts/llama_cpp.py), in alternating rounds."""
 import argparse
 import itertools
 import json
@@ -27,6 +28,7 @@ import cli  # noqa: E402
 import cpu_gemv  # noqa: E402
 from bench_quantize import random_checkpoint  # noqa: E402
 import guided  # noqa: E402
+import llama_cpp  # noqa: E402
 from checkpoint import load_model, load_tokenizer, read_config  # noqa: E402
 from generate import (DEFAULT_CHECKPOINT, build_steps, device_sync, generate, peak_memory_gb,  # noqa: E402
                       resolve_device, weight_bytes)
@@ -64,6 +66,12 @@ def copy_bandwidth(device, gib: float) -> float:
     src = torch.ones(int(gib * 2**30) // 4, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 10, device)
+
+
+def read_bandwidth(device, gib: float) -> float:
+    """Bytes per second a large float32 sum reads: the ceiling for decoding, which reads weights and writes little."""
+    src = torch.ones(int(gib * 2**30) // 4, device=device)
+    return src.numel() * 4 / timed(lambda: src.sum(), 10, device)
 
 
 def matmul_flops(device, n: int) -> dict:
@@ -194,6 +202,131 @@ def run_transformers(cfg: dict, device):
     return 2 * (sum(p.numel() for p in model.parameters()) - embedding), 2 * matmul_weights(a), run
 
 
+# ---- --peer llama.cpp: the same checkpoint in llama.cpp, A B A B -------------------------------------------------
+
+def serve_peer(cfg: dict):
+    """A child process of ours for --peer: load and compile once, warm up, then one round of measurements per
+    "run" line on stdin, one JSON line each: decode tokens/s (batch 1, new_tokens after a one-token prompt), prefill
+    tokens/s (a `prefill`-token prompt) and, with `depth`, decode tokens/s after `depth` tokens of context. The
+    context for that is random keys and values written straight into the cache: attention's cost depends on its
+    length, not its values, and prefilling 4k tokens would take minutes per round here."""
+    device = resolve_device(cfg["device"])
+    torch.manual_seed(0)
+    model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
+    steps, n, depth = build_steps(True), cfg["new_tokens"], cfg["depth"]
+    vocab = model.args.vocab_size
+    model.setup_caches(1, max(cfg["prefill"], depth + 1) + n)
+    prompt = torch.randint(3, vocab, (cfg["prefill"],)).tolist()
+    long = torch.randint(3, vocab, (depth + 1,)).tolist()
+
+    def one() -> dict:
+        out = {}
+        r = generate(model, [prompt[:1]], n, steps=steps, temperature=0)
+        out["decode"] = r.forwards / r.decode_s
+        out["prefill"] = cfg["prefill"] / generate(model, [prompt], 1, steps=steps, temperature=0).prefill_s
+        if depth:
+            with torch.no_grad():
+                for layer in model.layers:
+                    for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+                        c[:, :, :depth].normal_()
+            r = generate(model, [long], n, steps=steps, temperature=0, cached=depth)
+            out["depth_decode"] = r.forwards / r.decode_s
+        return out
+    one()  # compiles every step and cache length
+    print(json.dumps({"ready": True, "weight_bytes": weight_bytes(model), "kernels": cpu_gemv.describe(model)}),
+          flush=True)
+    for line in sys.stdin:
+        if line.strip() == "run":
+            print(json.dumps(one()), flush=True)
+
+
+class Child:
+    """serve_peer in a child process: one compile, then a round whenever asked."""
+    def __init__(self, device, cfg: dict, threads):
+        self.p = subprocess.Popen([sys.executable, __file__, "--device", str(device), "--serve", json.dumps(cfg),
+                                   *(["--threads", str(threads)] if threads else [])],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.info = self.read()
+
+    def read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            last = (self.p.stderr.read().strip().splitlines() or [f"exit status {self.p.wait()}"])[-1]
+            raise ValueError(f"our side of --peer failed: {last}")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.p.stdin.write("run\n")
+        self.p.stdin.flush()
+        return self.read()
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait()
+
+
+def busy_core() -> subprocess.Popen:
+    """--background_load: a process that keeps one core busy, as other work on a desktop would."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def peer(args, device, tools: Path, read_bw: float) -> list[dict]:
+    """Ours against llama.cpp on the same random checkpoint, per weight format (bf16, int8 vs Q8_0, int4 vs Q4_0):
+    decode, prefill and decode at depth, in rounds that alternate the two (A B A B), with and without a busy core."""
+    threads = args.threads or torch.get_num_threads()
+    rows = []
+    shape = (args.shapes or ["TinyLlama-1.1B"])[0]
+    cache = max(args.prefill, args.depth + 1) + args.new_tokens
+    for weights in args.weights:
+        ckpt = checkpoint(shape, weights, args.work_dir, cache)
+        gguf_path = llama_cpp.llama_gguf(tools, checkpoint(shape, "bf16", args.work_dir, cache), weights,
+                                         args.work_dir)
+        for load in ([False, True] if args.background_load else [False]):
+            # the long context only on an idle machine: llama-bench prefills it again every round, minutes here
+            depth = 0 if load else args.depth
+            cfg = dict(device=str(device), checkpoint=str(ckpt), cpu_kernels=args.cpu_kernels,
+                       new_tokens=args.new_tokens, prefill=args.prefill, depth=depth)
+            busy = busy_core() if load else None
+            try:
+                ours = Child(device, cfg, args.threads)
+                rounds = []
+                for _ in tqdm(range(args.rounds), desc=f"{weights}{', busy core' if load else ''}", disable=None):
+                    a = ours.run()
+                    b = llama_cpp.llama_bench(tools, gguf_path, threads, args.prefill, args.new_tokens)
+                    if depth:  # its prefill of the context warms it up
+                        b["depth_decode"] = llama_cpp.llama_bench(tools, gguf_path, threads, 0, args.new_tokens, depth,
+                                                                  warmup=False)["decode"]
+                    rounds.append((a, b))
+                ours.close()
+            finally:
+                if busy:
+                    busy.kill()
+            row = dict(weights=weights, theirs=llama_cpp.QUANT[weights], load=load, rounds=rounds,
+                       weight_bytes=ours.info["weight_bytes"], kernels=ours.info["kernels"])
+            for key in rounds[0][0]:
+                row[key] = statistics.median(a[key] for a, _ in rounds)
+                row[f"llama_{key}"] = statistics.median(b[key] for _, b in rounds)
+                row[f"{key}_ratio"] = statistics.median(a[key] / b[key] for a, b in rounds)
+            row["pct_read"] = 100 * row["weight_bytes"] * row["decode"] / read_bw
+            rows.append(row)
+            print_peer(row, header=len(rows) == 1, depth=args.depth, prefill=args.prefill)
+    return rows
+
+
+def print_peer(r: dict, header: bool, depth: int, prefill: int):
+    if header:
+        d = f" | decode at {depth}: ours | llama.cpp | ratio | ours, {depth} vs short" if depth else ""
+        print(f"\n| weights | llama.cpp | CPU | decode tok/s: ours | llama.cpp | ratio | ours GB/s | % of read "
+              f"| prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
+        print("| --- | --- | --- |" + " ---: |" * (7 + (4 if depth else 0)))
+    d = (f" | {r['depth_decode']:.1f} | {r['llama_depth_decode']:.1f} | {r['depth_decode_ratio']:.2f} | "
+         f"{100 * r['depth_decode'] / r['decode']:.0f}%" if "depth_decode" in r else " | | | |") if depth else ""
+    print(f"| {r['weights']} | {r['theirs']} | {'one core busy' if r['load'] else 'idle'} | {r['decode']:.1f} | "
+          f"{r['llama_decode']:.1f} | {r['decode_ratio']:.2f} | {r['weight_bytes'] * r['decode'] / 1e9:.1f} | "
+          f"{r['pct_read']:.0f}% | {r['prefill']:.1f} | {r['llama_prefill']:.1f} | {r['prefill_ratio']:.2f}{d} |",
+          flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
@@ -221,16 +354,32 @@ def main():
                    "schema (a list of records): decode speed with and without it, and the share of forced tokens")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: cpu_gemv.py's kernels for "
                    "this CPU and the prefill dtype measured faster here; off: torch's own kernels")
+    p.add_argument("--peer", choices=["llama.cpp"], help="instead of the grid: this project against llama.cpp on the "
+                   "same random checkpoint (GGUF BF16, Q8_0, Q4_0 for --weights bf16, int8, int4), batch-1 decode, "
+                   "prefill and decode at --depth, in alternating rounds; llama.cpp is built once from the "
+                   "llama-cpp-python source package unless --llama_cpp names a build")
+    p.add_argument("--llama_cpp", type=Path, help="a folder holding llama-bench and llama-quantize")
+    p.add_argument("--rounds", type=cli.positive_int, default=3, help="--peer: rounds of ours then llama.cpp; "
+                   "medians are reported, and the median of the per-round ratios")
+    p.add_argument("--prefill", type=cli.positive_int, default=512, help="--peer: prompt tokens for the prefill speed")
+    p.add_argument("--depth", type=int, default=4096, help="--peer: decode after this many tokens of context too "
+                   "(0: not)")
+    p.add_argument("--background_load", action="store_true", help="--peer: every measurement again with one core "
+                   "kept busy by another process")
     p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the figures (and a PNG "
                    "plot beside it)")
+    p.add_argument("--serve", help=argparse.SUPPRESS)  # internal: our side of --peer
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration given as JSON
     args = cli.one_line_errors(p).parse_args()
     device = resolve_device(args.device)
     args.threads = cli.set_threads(args.threads) if device.type == "cpu" else args.threads
+    if args.serve:
+        return serve_peer(json.loads(args.serve))
     if args.one:
         cfg = json.loads(args.one)
         if cfg == "ceilings":
             cfg = {"copy": copy_bandwidth(device, COPY_GIB[device.type == "cuda"]),
+                   "read": read_bandwidth(device, COPY_GIB[device.type == "cuda"]),
                    "matmul": matmul_flops(device, 8192 if device.type == "cuda" else 1024)}
         else:
             cfg = run_one(cfg)
@@ -241,11 +390,19 @@ def main():
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{cpu_gemv.cpu_name()}, {torch.get_num_threads()} threads"
     ceilings = one_process(device, "ceilings", args.threads)  # in a child: on Linux a child inherits its parent's peak RSS
-    copy_bw, matmul = ceilings["copy"], ceilings["matmul"]
+    copy_bw, read_bw, matmul = ceilings["copy"], ceilings["read"], ceilings["matmul"]
     flops = max(matmul.values())
-    print(f"{machine}: copy bandwidth {copy_bw / 1e9:.1f} GB/s; matmul " +
+    print(f"{machine}: copy bandwidth {copy_bw / 1e9:.1f} GB/s, read bandwidth {read_bw / 1e9:.1f} GB/s; matmul " +
           ", ".join(f"{k} {v / 1e12:.3f} TFLOP/s" for k, v in matmul.items()))
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.peer:
+        tools = args.llama_cpp or llama_cpp.build_llama_cpp(log=lambda m: print(m, file=sys.stderr))
+        rows = peer(args, device, tools, read_bw)
+        results = {"machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                   "read_bandwidth_gb_s": read_bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
+                   "llama_cpp": llama_cpp.version(tools), "peer_rows": rows}
+        cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
+        return
     rows, long_rows = [], []
     for cfg in tqdm(configs(args, device), desc="configurations", disable=None):
         path = checkpoint(cfg["shape"], cfg["weights"], args.work_dir, cfg.get("cache", 0))
@@ -260,7 +417,7 @@ def main():
     print_long_cache(long_rows)
     print_guided(rows)
     results = {"machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-               "copy_bandwidth_gb_s": copy_bw / 1e9, "matmul_tflops": {k: v / 1e12 for k, v in matmul.items()},
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "read_bandwidth_gb_s": read_bw / 1e9, "matmul_tflops": {k: v / 1e12 for k, v in matmul.items()},
                "rows": rows, "long_cache_rows": long_rows}
     cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
     plot(results, args.json.with_suffix(".png"))

@@ -1,0 +1,77 @@
+"""scripts/llama_cpp.py and bench.py --peer: a checkpoint written as GGUF is the same model when read back, and the
+peer benchmark alternates its two sides and reports medians and ratios. llama.cpp itself takes ten minutes to
+build, so here a stand-in llama-bench reports fixed speeds (the real comparison is README.md's table)."""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from checkpoint import read_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from convert_gguf import convert_gguf  # noqa: E402
+from llama_cpp import llama_bench, write_gguf  # noqa: E402
+
+
+def test_a_checkpoint_written_as_gguf_reads_back_as_the_same_weights(checkpoint, tmp_path):
+    write_gguf(checkpoint, tmp_path / "model.gguf")
+    back = convert_gguf(tmp_path / "model.gguf", tmp_path / "back", tokenizer=checkpoint / "tokenizer.model")
+    args, _, state = read_checkpoint(checkpoint)
+    args_back, _, state_back = read_checkpoint(back)
+    assert replace(args_back, norm_eps=args.norm_eps) == args and abs(args_back.norm_eps / args.norm_eps - 1) < 1e-6
+    assert state.keys() == state_back.keys() and all(torch.equal(state[k], state_back[k]) for k in state)
+
+
+FAKE_BENCH = """#!/usr/bin/env python3
+import json, sys
+a = sys.argv
+n = lambda flag: int(a[a.index(flag) + 1])
+open(sys.argv[0] + ".calls", "a").write(" ".join(a[1:]) + "\\n")
+tests = []
+if n("-p"):
+    tests.append({"n_prompt": n("-p"), "n_gen": 0, "avg_ts": 100.0})
+if n("-n"):
+    tests.append({"n_prompt": 0, "n_gen": n("-n"), "avg_ts": 40.0 if n("-d") else 50.0})
+print(json.dumps(tests))
+"""
+
+
+def fake_llama_cpp(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "llama-bench").write_text(FAKE_BENCH)
+    (folder / "llama-quantize").write_text("#!/bin/sh\ncp \"$2\" \"$3\"\n")  # --pure IN OUT TYPE
+    for tool in ("llama-bench", "llama-quantize"):
+        os.chmod(folder / tool, 0o755)
+    return folder
+
+
+def test_llama_bench_speeds_are_read_from_its_json(tmp_path):
+    tools = fake_llama_cpp(tmp_path / "bin")
+    assert llama_bench(tools, tmp_path / "m.gguf", 2, 512, 64) == {"prefill": 100.0, "decode": 50.0}
+    assert llama_bench(tools, tmp_path / "m.gguf", 2, 0, 64, 4096, warmup=False) == {"decode": 40.0}
+    assert "-d 4096 --no-warmup" in (tools / "llama-bench.calls").read_text()
+
+
+def test_bench_peer_alternates_rounds_and_reports_each_ratio(tmp_path):
+    tools = fake_llama_cpp(tmp_path / "bin")
+    out = tmp_path / "peer.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--peer", "llama.cpp", "--llama_cpp",
+                             str(tools), "--shapes", "built-in", "--weights", "int8", "--rounds", "2", "--prefill",
+                             "32", "--depth", "300", "--new_tokens", "8", "--work_dir", str(tmp_path / "work"),
+                             "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(out.read_text())["peer_rows"][0]
+    assert row["weights"] == "int8" and row["theirs"] == "Q8_0" and len(row["rounds"]) == 2
+    assert (tmp_path / "work" / "built-in-1024-Q8_0.gguf").exists()
+    assert row["llama_decode"] == 50.0 and row["llama_prefill"] == 100.0 and row["llama_depth_decode"] == 40.0
+    ours = sorted(a["decode"] for a, _ in row["rounds"])
+    assert row["decode_ratio"] == sum(ours) / 2 / 50.0 > 0
+    assert 0 < row["pct_read"] and row["depth_decode"] > 0
+    calls = [c for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
+    assert len(calls) == 4 and "-t" in calls[0]  # two rounds: pp/tg, then tg at depth
+    assert "| int8 | Q8_0 | idle |" in result.stdout
