@@ -318,7 +318,7 @@ def print_peer(r: dict, header: bool, depth: int, prefill: int):
         d = f" | decode at {depth}: ours | llama.cpp | ratio | ours, {depth} vs short" if depth else ""
         print(f"\n| weights | llama.cpp | CPU | decode tok/s: ours | llama.cpp | ratio | ours GB/s | % of read "
               f"| prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
-        print("| --- | --- | --- |" + " ---: |" * (7 + (4 if depth else 0)))
+        print("| --- | --- | --- |" + " ---: |" * (8 + (4 if depth else 0)))
     d = (f" | {r['depth_decode']:.1f} | {r['llama_depth_decode']:.1f} | {r['depth_decode_ratio']:.2f} | "
          f"{100 * r['depth_decode'] / r['decode']:.0f}%" if "depth_decode" in r else " | | | |") if depth else ""
     print(f"| {r['weights']} | {r['theirs']} | {'one core busy' if r['load'] else 'idle'} | {r['decode']:.1f} | "
