@@ -223,9 +223,30 @@ static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales
     return hsum8(_mm256_add_ps(total, rest));
 }
 
+// the output head's int8 product (f32): x kept in fp32, each weight widened, so that logits closer than x's int8
+// rounding would move them (a small model's top two) keep their order
+static inline float dot_i8_exact(const float* x, const int8_t* w, int64_t K) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 32)
+        for (int c = 0; c < 4; c++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * c))));
+            a[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k + 8 * c), a[c]);
+        }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+}
+
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
+    if (f32) {
+        std::vector<float> xs(M * K);
+        for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
+        #pragma omp parallel for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m = 0; m < M; m++)
+                put(y, m * N + n, dot_i8_exact(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), 1);
+        return;
+    }
     std::vector<XQ> xq(M);
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, false, xq[m]);
     #pragma omp parallel for schedule(static)
