@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from checkpoint import read_checkpoint
@@ -70,7 +71,7 @@ def test_bench_peer_alternates_rounds_and_reports_each_ratio(tmp_path):
     assert (tmp_path / "work" / "built-in-1024-Q8_0.gguf").exists()
     assert row["llama_decode"] == 50.0 and row["llama_prefill"] == 100.0 and row["llama_depth_decode"] == 40.0
     ours = sorted(a["decode"] for a, _ in row["rounds"])
-    assert row["decode_ratio"] == sum(ours) / 2 / 50.0 > 0
+    assert row["decode_ratio"] == pytest.approx(sum(ours) / 2 / 50.0) and row["decode_ratio"] > 0
     assert 0 < row["pct_read"] and row["depth_decode"] > 0
     calls = [c for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
     assert len(calls) == 4 and "-t" in calls[0]  # two rounds: pp/tg, then tg at depth
