@@ -15,6 +15,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -243,15 +244,17 @@ def serve_peer(cfg: dict):
 class Child:
     """serve_peer in a child process: one compile, then a round whenever asked."""
     def __init__(self, device, cfg: dict, threads):
+        self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: compile warnings cannot fill it and stall
         self.p = subprocess.Popen([sys.executable, __file__, "--device", str(device), "--serve", json.dumps(cfg),
                                    *(["--threads", str(threads)] if threads else [])],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
         self.info = self.read()
 
     def read(self) -> dict:
         line = self.p.stdout.readline()
         if not line:
-            last = (self.p.stderr.read().strip().splitlines() or [f"exit status {self.p.wait()}"])[-1]
+            self.err.seek(0)
+            last = (self.err.read().strip().splitlines() or [f"exit status {self.p.wait()}"])[-1]
             raise ValueError(f"our side of --peer failed: {last}")
         return json.loads(line)
 
@@ -373,6 +376,8 @@ def main():
     args = cli.one_line_errors(p).parse_args()
     device = resolve_device(args.device)
     args.threads = cli.set_threads(args.threads) if device.type == "cpu" else args.threads
+    if args.depth < 0:
+        cli.fail(f"--depth must be 0 or more, got {args.depth}")
     if args.serve:
         return serve_peer(json.loads(args.serve))
     if args.one:
