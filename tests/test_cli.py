@@ -199,6 +199,13 @@ def test_cli_runs_a_model_whose_vocabulary_is_padded_past_the_tokenizer(checkpoi
     assert metrics["samples"][0]["text"] == "" and min(metrics["samples"][0]["tokens"]) >= cfg["vocab_size"]
 
 
+def default_sigint():
+    """A shell without job control starts background jobs with SIGINT ignored, and a child inherits that (as nohup
+    intends), so the suite run that way would send a Ctrl-C the process never sees. A terminal's process has it."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_with_one_line_and_status_130_keeping_what_was_printed(tmp_path):
     import os
     import signal
@@ -206,7 +213,7 @@ def test_ctrl_c_stops_with_one_line_and_status_130_keeping_what_was_printed(tmp_
     proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--max_new_tokens", "1000",
                              "--ignore_eos", "--num_samples", "1000", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)
     first = proc.stdout.readline()  # "Loaded ...": generation starts right after it
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
