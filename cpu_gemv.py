@@ -10,8 +10,9 @@ _mm512_dpbf16_ps; int8 is sign-extended and converted; int4 is never widened: x 
 maddubs or dpbusd multiply 4-bit weights by 8-bit activations. Rows are read front to back, which the
 hardware prefetcher follows.
 
-The C++ below is compiled once with g++ for the CPU's instruction set into ~/.cache/fast-decode and called through
-ctypes, wrapped as torch ops so that torch.compile keeps them in the graph. install(model) replaces a bf16 model's
+The C++ below is compiled once with g++ for the CPU's instruction set into ~/.cache/fast-decode, and reached
+through torch ops written in C++ (GLUE, built against this torch), so that torch.compile keeps them in the graph
+and calls them with no Python in between. install(model) replaces a bf16 model's
 linear layers (and quantize.py's int8 and int4 layers, recognised by their tensors) with layers that send products
 of few rows here. Products of many rows (prefill) go to torch's GEMM, in bf16 or in fp32, whichever a measurement
 on this machine found faster. Without a compiler or a known instruction set, one line on stderr says so and torch's
@@ -414,7 +415,11 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
                        int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
                        int64_t mb) {
     const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks;
-    std::vector<float> qf(B * H * S * D), parts(tasks * R * (D + 2));
+    // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
+    // there a thread_local name would be each worker's own
+    static thread_local std::vector<float> qf_, parts_;
+    qf_.resize(B * H * S * D); parts_.resize(tasks * R * (D + 2));
+    float *qf = qf_.data(), *parts = parts_.data();
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < B * H * S * D; i++) qf[i] = from_bf16(q[i]) * scale;
     #pragma omp parallel for schedule(dynamic)
@@ -440,7 +445,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
         const float* first = &parts[(bh * chunks) * R * (D + 2) + r * (D + 2)];
         float m = -INFINITY, l = 0.f;
         for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, first[c * R * (D + 2)]);
-        std::vector<float> o(D, 0.f);
+        float o[256] = {};  // D <= 256
         for (int64_t c = 0; c < chunks; c++) {
             const float* pc = first + c * R * (D + 2);
             if (pc[0] == -INFINITY) continue;
@@ -502,6 +507,82 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t
 
 """
 MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
+# The torch ops, in C++: the compiled graph calls them through torch's dispatcher with no Python in between (a
+# Python op costs ~9 us a call, and a 22-layer step makes ~130 of them). They call whichever kernel set was loaded
+# last, through the pointers set_kernels() was given, so one process can switch sets.
+GLUE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+using at::Tensor;
+static void* K[5];  // gemv_bf16, gemv_int8, gemv_int4, dequantize_int4, attend of the loaded set
+extern "C" void set_kernels(void** k) { for (int i = 0; i < 5; i++) K[i] = k[i]; }
+
+static Tensor out(const Tensor& x, int64_t n, bool f32) {  // [..., n], bf16 or float32
+    auto shape = x.sizes().vec();
+    shape.back() = n;
+    return at::empty(shape, x.options().dtype(f32 ? at::kFloat : at::kBFloat16));
+}
+
+// x [..., K] bf16, w [N, K] bf16 -> [..., N]
+static Tensor gemv_bf16(const Tensor& x_, const Tensor& w, bool f32) {
+    Tensor x = x_.contiguous(), y = out(x, w.size(0), f32);
+    ((void (*)(void*, void*, void*, int64_t, int64_t, int64_t, int64_t))K[0])(
+        x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() / w.size(1), w.size(0), w.size(1), f32);
+    return y;
+}
+
+// x [..., K] bf16, w [N, K] int8, scales [N] bf16 -> [..., N]
+static Tensor gemv_int8(const Tensor& x_, const Tensor& w, const Tensor& scales, bool f32) {
+    Tensor x = x_.contiguous(), y = out(x, w.size(0), f32);
+    ((void (*)(void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t))K[1])(
+        x.data_ptr(), w.data_ptr(), scales.data_ptr(), y.data_ptr(), x.numel() / w.size(1), w.size(0), w.size(1),
+        f32);
+    return y;
+}
+
+// x [..., K'] bf16, w [N, K'/2] uint8 (two q per byte), scales and zeros [N, K'/G] bf16 -> [..., N]
+static Tensor gemv_int4(const Tensor& x_, const Tensor& w, const Tensor& scales, const Tensor& zeros, bool f32) {
+    Tensor x = x_.contiguous(), y = out(x, w.size(0), f32);
+    int64_t k = 2 * w.size(1);
+    ((void (*)(void*, void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t))K[2])(
+        x.data_ptr(), w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), x.numel() / k, w.size(0), k,
+        k / scales.size(1), f32);
+    return y;
+}
+
+// w [N, K'/2] uint8, scales and zeros [N, K'/G] bf16 -> [N, K'] float32 (or bf16)
+static Tensor dequantize_int4(const Tensor& w, const Tensor& scales, const Tensor& zeros, bool f32) {
+    Tensor y = at::empty({w.size(0), 2 * w.size(1)}, w.options().dtype(f32 ? at::kFloat : at::kBFloat16));
+    ((void (*)(void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t))K[3])(
+        w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), y.size(0), y.size(1),
+        y.size(1) / scales.size(1), f32);
+    return y;
+}
+
+// q [B, H, S, D] bf16, k and v [B, Hkv, L, D] bf16 (slices of the cache: rows of D contiguous), mask [B|1, 1, S, L]
+// bool -> [B, H, S, D]
+static Tensor attend(const Tensor& q_, const Tensor& k, const Tensor& v, const Tensor& mask) {
+    Tensor q = q_.contiguous();
+    int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), L = k.size(2);
+    Tensor m = mask.expand({B, 1, S, L}), y = at::empty(q.sizes(), q.options());
+    ((void (*)(void*, void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+               int64_t, int64_t))K[4])(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), y.data_ptr(), B, H, k.size(1), S, L, D, k.stride(0),
+        k.stride(1), m.stride(0));
+    return y;
+}
+
+TORCH_LIBRARY_IMPL(fast_decode, CPU, m) {
+    m.impl("gemv_bf16", gemv_bf16);
+    m.impl("gemv_int8", gemv_int8);
+    m.impl("gemv_int4", gemv_int4);
+    m.impl("dequantize_int4", dequantize_int4);
+    m.impl("attend", attend);
+}
+"""
+
 PROBE_ROWS = 256  # the rows of the product that decides the prefill dtype
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
 
@@ -538,29 +619,41 @@ def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def build(source: str, flags: list[str]) -> ctypes.CDLL:
-    """The compiled kernels, from the cache when this source was built with these flags before."""
-    flags = ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"]
-    source = PRELUDE + source + QUANTIZED
+def compile_once(source: str, flags: list[str]) -> Path:
+    """The shared library built from source with g++ and flags, from the cache when built so before."""
     lib = CACHE / f"gemv-{hashlib.sha256((source + ' '.join(flags)).encode()).hexdigest()[:16]}.so"
     if not lib.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # build aside, then rename: readers never see half a file
             src = Path(tmp) / "gemv.cpp"
             src.write_text(source)
-            subprocess.run([os.environ.get("CXX", "g++"), *flags, str(src), "-o", str(Path(tmp) / "lib.so")],
+            subprocess.run([os.environ.get("CXX", "g++"), str(src), *flags, "-o", str(Path(tmp) / "lib.so")],
                            check=True, capture_output=True, text=True)
             os.replace(Path(tmp) / "lib.so", lib)
-    dll = ctypes.CDLL(str(lib))
-    dll.gemv_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
-    dll.gemv_int8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-    dll.gemv_int4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
-    dll.dequantize_int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-    dll.attend.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 9
-    return dll
+    return lib
+
+
+def build(source: str, flags: list[str]) -> ctypes.CDLL:
+    """One kernel set, compiled for the CPU's instruction set."""
+    return ctypes.CDLL(str(compile_once(PRELUDE + source + QUANTIZED, ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"])))
+
+
+def build_glue() -> ctypes.CDLL:
+    """The torch ops (GLUE), compiled against this torch's headers and libraries, and registered."""
+    from torch.utils import cpp_extension
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    # TORCH_VERSION only makes a new torch a new build
+    flags = ["-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-DTORCH_VERSION={torch.__version__}",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *[f"-I{p}" for p in cpp_extension.include_paths()], f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}",
+             "-lc10", "-ltorch_cpu"]
+    lib = compile_once(GLUE, flags)
+    torch.ops.load_library(str(lib))
+    return ctypes.CDLL(str(lib))
 
 
 _lib: Optional[ctypes.CDLL] = None
+_glue: Optional[ctypes.CDLL] = None  # built and registered once a process
 kernels = "torch"  # what products of few rows run on: a kernel set's name, or torch's own
 _why_not = None
 
@@ -575,7 +668,11 @@ def load(name: Optional[str] = None) -> Optional[str]:
         if not chosen:
             raise RuntimeError(f"no kernels for this CPU ({platform.machine()}: "
                                f"{'no ' + name if name else 'there are kernels for x86 AVX2+FMA and AVX-512 only'})")
+        global _glue
         _lib, kernels = build(*chosen[0][1:]), chosen[0][0]
+        _glue = _glue or build_glue()
+        names = ("gemv_bf16", "gemv_int8", "gemv_int4", "dequantize_int4", "attend")
+        _glue.set_kernels((ctypes.c_void_p * 5)(*[ctypes.cast(getattr(_lib, n), ctypes.c_void_p) for n in names]))
         return kernels
     except FileNotFoundError:
         why = f"no C++ compiler ({os.environ.get('CXX', 'g++')} not found)"
@@ -591,8 +688,7 @@ def load(name: Optional[str] = None) -> Optional[str]:
 
 # ---- the kernels as torch ops --------------------------------------------------------------------------------------
 
-# a torch op, so that torch.compile keeps it in the graph; defined with torch.library.Library rather than the
-# @custom_op decorator, whose Python wrapper costs about 25 us a call, as much as a small layer's whole product
+# torch ops, so that torch.compile keeps them in the graph: defined here, implemented by GLUE once a set is loaded
 _ops = torch.library.Library("fast_decode", "DEF")
 # f32: write the products in float32 instead of bf16 (the output head: see put() in the kernels)
 _ops.define("gemv_bf16(Tensor x, Tensor w, bool f32=False) -> Tensor")
@@ -602,60 +698,8 @@ _ops.define("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
 _ops.define("dequantize_int4(Tensor w, Tensor scales, Tensor zeros, bool f32) -> Tensor")
 
 
-def out(x: Tensor, n: int, f32: bool) -> Tensor:  # [..., n], bf16 or float32
+def out(x: Tensor, n: int, f32: bool) -> Tensor:  # [..., n], bf16 or float32: what the products return
     return x.new_empty(*x.shape[:-1], n, dtype=torch.float32 if f32 else x.dtype)
-
-
-def gemv_bf16(x: Tensor, w: Tensor, f32: bool = False) -> Tensor:  # x [..., K] bf16, w [N, K] bf16 -> [..., N]
-    x = x.contiguous()  # few tensor calls: at 1-2 us each they add up over a small model's ~40 products per step
-    y = out(x, w.size(0), f32)
-    _lib.gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // w.size(1), *w.shape, f32)
-    return y
-
-
-def gemv_int8(x: Tensor, w: Tensor, scales: Tensor, f32: bool = False) -> Tensor:
-    # x [..., K] bf16, w [N, K] int8, scales [N] bf16 -> [..., N]
-    x = x.contiguous()
-    y = out(x, w.size(0), f32)
-    _lib.gemv_int8(x.data_ptr(), w.data_ptr(), scales.data_ptr(), y.data_ptr(), x.numel() // w.size(1), *w.shape,
-                   f32)
-    return y
-
-
-def gemv_int4(x: Tensor, w: Tensor, scales: Tensor, zeros: Tensor, f32: bool = False) -> Tensor:
-    # x [..., K'] bf16, w [N, K'/2] uint8 (two q per byte), scales and zeros [N, K'/G] bf16 -> [..., N]
-    x = x.contiguous()
-    k = 2 * w.size(1)
-    y = out(x, w.size(0), f32)
-    _lib.gemv_int4(x.data_ptr(), w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), x.numel() // k,
-                   w.size(0), k, k // scales.size(1), f32)
-    return y
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    # q [B, H, S, D] bf16, k and v [B, Hkv, L, D] bf16 (slices of the cache: rows of D contiguous), mask [B|1, 1, S, L]
-    # bool -> [B, H, S, D]
-    q, (B, H, S, D), (Hkv, L) = q.contiguous(), q.shape, k.shape[1:3]
-    m = mask.expand(B, 1, S, L)
-    out = torch.empty_like(q)
-    _lib.attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), m.data_ptr(), out.data_ptr(), B, H, Hkv, S, L, D,
-                k.stride(0), k.stride(1), m.stride(0))
-    return out
-
-
-def dequantize_int4(w: Tensor, scales: Tensor, zeros: Tensor, f32: bool) -> Tensor:
-    # w [N, K'/2] uint8, scales and zeros [N, K'/G] bf16 -> [N, K'] float32 (or bf16)
-    out = w.new_empty(w.size(0), 2 * w.size(1), dtype=torch.float32 if f32 else torch.bfloat16)
-    _lib.dequantize_int4(w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), *out.shape,
-                         out.size(1) // scales.size(1), f32)
-    return out
-
-
-_ops.impl("attend", attend, "CPU")
-_ops.impl("dequantize_int4", dequantize_int4, "CPU")
-_ops.impl("gemv_bf16", gemv_bf16, "CPU")
-_ops.impl("gemv_int4", gemv_int4, "CPU")
-_ops.impl("gemv_int8", gemv_int8, "CPU")
 
 
 @torch.library.register_fake("fast_decode::gemv_bf16")
