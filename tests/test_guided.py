@@ -14,7 +14,7 @@ import torch
 
 import guided
 from checkpoint import load_model, load_tokenizer, read_config
-from conftest import needs_smollm2, smollm2_file
+from conftest import needs_smollm2
 from generate import build_steps, generate, pick
 from speculative import speculative_generate
 
@@ -78,11 +78,9 @@ def builtin_f32():  # exact comparisons between loops: float32, so one pass over
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(smollm2_imports):
     """SmolLM2-135M-Instruct with the GGUF's Q4_1 weights kept as int4."""
-    out = tmp_path_factory.mktemp("smollm2") / "int4"
-    run("scripts/convert_gguf.py", "--gguf", smollm2_file(), "--out_dir", out)
-    return out
+    return smollm2_imports["int4"]
 
 
 def run(script, *args, stdin=None):

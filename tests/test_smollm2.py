@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_smollm2, smollm2_file
+from conftest import needs_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
@@ -25,17 +25,13 @@ def run(script, *args, stdin=None):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(smollm2_imports):
     """{name: (checkpoint, --dtype)}: the GGUF's Q4_1 kept as int4, a float32 import, and int8 quantized from it."""
-    d = tmp_path_factory.mktemp("smollm2")
-    run("scripts/convert_gguf.py", "--gguf", smollm2_file(), "--out_dir", d / "int4")
-    run("scripts/convert_gguf.py", "--gguf", smollm2_file(), "--out_dir", d / "fp32", "--dequantize",
-        "--dtype", "float32")
-    run("scripts/quantize_checkpoint.py", "--checkpoint_path", d / "fp32", "--mode", "int8", "--out_dir", d / "int8")
     # int4 in bf16 is the case that needs float32 logits: its first answer token "The" is only 0.08 above "L"
     # (a French answer), less than a bf16 step near 25 (0.125), so bf16 logits tie and argmax took "L"
-    return {"float32": (d / "fp32", "float32"), "bfloat16": (d / "fp32", "bfloat16"),
-            "int8": (d / "int8", "bfloat16"), "int4": (d / "int4", "bfloat16")}
+    d = smollm2_imports
+    return {"float32": (d["fp32"], "float32"), "bfloat16": (d["fp32"], "bfloat16"),
+            "int8": (d["int8"], "bfloat16"), "int4": (d["int4"], "bfloat16")}
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
