@@ -507,6 +507,7 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t
 
 """
 MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
+
 # The torch ops, in C++: the compiled graph calls them through torch's dispatcher with no Python in between (a
 # Python op costs ~9 us a call, and a 22-layer step makes ~130 of them). They call whichever kernel set was loaded
 # last, through the pointers set_kernels() was given, so one process can switch sets.
@@ -635,7 +636,8 @@ def compile_once(source: str, flags: list[str]) -> Path:
 
 def build(source: str, flags: list[str]) -> ctypes.CDLL:
     """One kernel set, compiled for the CPU's instruction set."""
-    return ctypes.CDLL(str(compile_once(PRELUDE + source + QUANTIZED, ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"])))
+    flags = ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"]
+    return ctypes.CDLL(str(compile_once(PRELUDE + source + QUANTIZED, flags)))
 
 
 def build_glue() -> ctypes.CDLL:
