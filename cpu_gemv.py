@@ -330,57 +330,130 @@ static inline __m256 sum8x8(const __m256* a) {  // lane t: the sum of a[t]'s lan
 
 enum { CHUNK = 256 };  // cache positions per task
 
+// n rows of D bf16 (D apart) to fp32, zero rows after them up to n8: a block of K or V, then read from L1 by every
+// query row of the task
+template <int D>
+static void widen_block(const uint16_t* src, float* dst, int64_t n, int64_t n8) {
+    for (int64_t j = 0; j < n8; j++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(dst + j * D + d, j < n ? widen8(src + j * D + d) : _mm256_setzero_ps());
+}
+
+// Bytes [p, end) requested into L2 a few lines per step, paced through the compute: K and V arrive while the FMAs
+// run. The hardware prefetcher alone left the widening of each block waiting on memory, and requesting a whole
+// block at once did no better.
+struct Stream {
+    const char *p, *end;
+    int64_t per_step;
+    Stream(const void* from, int64_t bytes, int64_t steps)
+        : p((const char*)from), end((const char*)from + bytes), per_step((bytes / 64 + steps - 1) / (steps > 0 ? steps : 1)) {}
+    void step() {
+        for (int64_t i = 0; i < per_step && p < end; i++, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+    }
+};
+
+// s[r * ld + t] = q_r . k_t for RT (1 or 2) query rows (D apart) and 4 positions of kb (D apart): each K vector
+// loaded serves both rows, and 8 accumulators sum in one go
+template <int D, int RT>
+static inline void qk_tile(const float* q, const float* kb, float* s, int64_t ld) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 kv[4];
+        for (int t = 0; t < 4; t++) kv[t] = _mm256_loadu_ps(kb + t * D + d);
+        for (int r = 0; r < RT; r++) {
+            __m256 qv = _mm256_loadu_ps(q + r * D + d);
+            for (int t = 0; t < 4; t++) a[4 * r + t] = _mm256_fmadd_ps(qv, kv[t], a[4 * r + t]);
+        }
+    }
+    __m256 sum = sum8x8(a);  // lanes 0-3 row 0's positions, 4-7 row 1's
+    _mm_storeu_ps(s, _mm256_castps256_ps128(sum));
+    if (RT == 2) _mm_storeu_ps(s + ld, _mm256_extractf128_ps(sum, 1));
+}
+
+// o_r += sum_j p_r[j] v_j for RT (1 or 2) rows (p ld apart, o D + 2 apart) over n positions of vb (D apart),
+// 32 dimensions at a time: 8 accumulators, each V vector loaded serving both rows
+template <int D, int RT>
+static inline void pv_tile(const float* p, int64_t ld, const float* vb, int64_t n, float* o) {
+    constexpr int DV = D < 32 ? D : 32;
+    for (int d0 = 0; d0 < D; d0 += DV) {
+        __m256 acc[RT][DV / 8];
+        for (int r = 0; r < RT; r++)
+            for (int i = 0; i < DV / 8; i++) acc[r][i] = _mm256_loadu_ps(o + r * (D + 2) + d0 + 8 * i);
+        for (int64_t j = 0; j < n; j++) {
+            __m256 vv[DV / 8];
+            for (int i = 0; i < DV / 8; i++) vv[i] = _mm256_loadu_ps(vb + j * D + d0 + 8 * i);
+            for (int r = 0; r < RT; r++) {
+                __m256 pj = _mm256_broadcast_ss(p + r * ld + j);
+                for (int i = 0; i < DV / 8; i++) acc[r][i] = _mm256_fmadd_ps(pj, vv[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < RT; r++)
+            for (int i = 0; i < DV / 8; i++) _mm256_storeu_ps(o + r * (D + 2) + d0 + 8 * i, acc[r][i]);
+    }
+}
+
 // One task: the R = (H / Hkv) * S query rows of one KV head, over cache positions [j0, j1) (k and v point at the
 // head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
-// and the unnormalized output (D values) to part [R][D + 2]. D a constant, so a row of q (64 dimensions at a time)
-// and the accumulators stay in registers.
+// and the unnormalized output (D values) to part [R][D + 2]. Only the span of positions some row attends is read
+// (a short context in a longer cache skips the rest), in blocks of 16 KB of fp32 that stay in L1 while the rows,
+// two at a time, go over them: FMA-bound, not bound by L2 or by the bf16 conversion.
 template <int D>
 static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
                          int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
-    static thread_local std::vector<float> kv, sc;
-    static thread_local std::vector<uint8_t> live;  // per row and block of 8 positions: any of them attended
-    // dimensions per pass: QK keeps 8 accumulators and P / 8 vectors of q in registers, PV its PV / 8 accumulators
-    constexpr int P = D < 32 ? D : 32, PV = D < 64 ? D : 64;
-    const int64_t C = j1 - j0, C8 = (C + 7) / 8 * 8;
-    kv.resize(C8 * D); sc.resize(R * C8); live.resize(R * C8 / 8);
-    for (int64_t j = 0; j < C8; j++)  // this chunk of K in fp32, zero past its end
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(&kv[j * D + d], j < C ? widen8(k + (j0 + j) * D + d) : _mm256_setzero_ps());
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    constexpr int64_t BJ = 4096 / D < CHUNK ? 4096 / D : CHUNK;  // positions per block
+    static thread_local std::vector<float> blk, sc;
+    int64_t lo = j1, hi = j0;
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t* m = mask + s * L;
+        int64_t a = j0, b = j1;
+        while (a < b && !m[a]) a++;
+        while (b > a && !m[b - 1]) b--;
+        if (a < b) lo = a < lo ? a : lo, hi = b > hi ? b : hi;
+    }
     for (int64_t r = 0; r < R; r++) {
-        const uint8_t* mr = mask + (r % S) * L + j0;
-        float* s = &sc[r * C8];
+        part[r * (D + 2)] = -INFINITY, part[r * (D + 2) + 1] = 0.f;
+        for (int d = 0; d < D; d++) part[r * (D + 2) + 2 + d] = 0.f;
+    }
+    if (lo >= hi) return;
+    const int64_t n = hi - lo, n8 = (n + 7) / 8 * 8;
+    blk.resize(BJ * D); sc.resize(R * n8);
+    // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
+    // blocks of K (the same thread's next task, mostly) during the weighted sum
+    const int64_t tiles = (R + 1) / 2 * (n8 / 4), ahead = 2 * BJ < n ? 2 * BJ : n;
+    for (Stream first(k + lo * D, ahead * D * 2, 1); first.p < first.end;) first.step();
+    Stream ks(k + (lo + ahead) * D, (n - ahead) * D * 2, tiles), vs(v + lo * D, n * D * 2, tiles);
+    for (int64_t b = 0; b < n8; b += BJ) {  // scores
+        const int64_t nb = BJ < n8 - b ? BJ : n8 - b;
+        widen_block<D>(k + (lo + b) * D, blk.data(), n - b < nb ? n - b : nb, nb);
+        for (int64_t r = 0; r < R; r += 2)
+            for (int64_t j = 0; j < nb; j += 4) {
+                if (r + 1 < R) qk_tile<D, 2>(qf + r * D, &blk[j * D], &sc[r * n8 + b + j], n8);
+                else qk_tile<D, 1>(qf + r * D, &blk[j * D], &sc[r * n8 + b + j], n8);
+                ks.step(), vs.step();
+            }
+    }
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t r = 0; r < R; r++) {  // masked to -inf, then e^(s - m)
+        const uint8_t* mr = mask + (r % S) * L + lo;
+        float* s = &sc[r * n8];
         __m256 mx = ninf;
-        for (int64_t j = 0; j < C8; j += 8) {
-            __m256i m8;  // the mask's 8 bytes (none past the chunk's end): attend where nonzero
-            if (j + 8 <= C) m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mr + j)));
+        for (int64_t j = 0; j < n8; j += 8) {
+            __m256i m8;  // the mask's 8 bytes (none past the span): attend where nonzero
+            if (j + 8 <= n) m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mr + j)));
             else {
                 alignas(32) int32_t t8[8];
-                for (int t = 0; t < 8; t++) t8[t] = j + t < C ? mr[j + t] : 0;
+                for (int t = 0; t < 8; t++) t8[t] = j + t < n ? mr[j + t] : 0;
                 m8 = _mm256_load_si256((const __m256i*)t8);
             }
-            live[r * (C8 / 8) + j / 8] = !_mm256_testz_si256(m8, m8);
-            if (!live[r * (C8 / 8) + j / 8]) {  // masked whole: a short context in a longer bucket skips the rest
-                _mm256_storeu_ps(s + j, ninf);
-                continue;
-            }
-            __m256 a[8];
-            for (int t = 0; t < 8; t++) a[t] = _mm256_setzero_ps();
-            for (int d0 = 0; d0 < D; d0 += P) {
-                __m256 qv[P / 8];
-                for (int i = 0; i < P / 8; i++) qv[i] = _mm256_loadu_ps(qf + r * D + d0 + 8 * i);
-                for (int t = 0; t < 8; t++)
-                    for (int i = 0; i < P / 8; i++)
-                        a[t] = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(&kv[(j + t) * D + d0 + 8 * i]), a[t]);
-            }
             __m256 off = _mm256_castsi256_ps(_mm256_cmpeq_epi32(m8, _mm256_setzero_si256()));
-            __m256 st = _mm256_blendv_ps(sum8x8(a), ninf, off);
+            __m256 st = _mm256_blendv_ps(_mm256_loadu_ps(s + j), ninf, off);
             _mm256_storeu_ps(s + j, st);
             mx = _mm256_max_ps(mx, st);
         }
         float m = hmax8(mx);
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t j = 0; j < C8; j += 8) {
+        for (int64_t j = 0; j < n8; j += 8) {
             __m256 p = m == -INFINITY ? _mm256_setzero_ps() : exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
             _mm256_storeu_ps(s + j, p);
             sum = _mm256_add_ps(sum, p);
@@ -388,22 +461,15 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
         part[r * (D + 2)] = m;
         part[r * (D + 2) + 1] = hsum8(sum);
     }
-    for (int64_t j = 0; j < C; j++)  // V likewise, then each row's weights times it
-        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(&kv[j * D + d], widen8(v + (j0 + j) * D + d));
-    for (int64_t r = 0; r < R; r++) {
-        const float* p = &sc[r * C8];
-        for (int d0 = 0; d0 < D; d0 += PV) {
-            __m256 acc[PV / 8];
-            for (int i = 0; i < PV / 8; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t j8 = 0; j8 < C; j8 += 8) {
-                if (!live[r * (C8 / 8) + j8 / 8]) continue;
-                for (int64_t j = j8; j < j8 + 8 && j < C; j++) {
-                    __m256 pj = _mm256_broadcast_ss(p + j);
-                    for (int i = 0; i < PV / 8; i++)
-                        acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(&kv[j * D + d0 + 8 * i]), acc[i]);
-                }
-            }
-            for (int i = 0; i < PV / 8; i++) _mm256_storeu_ps(part + r * (D + 2) + 2 + d0 + 8 * i, acc[i]);
+    const int64_t next = L - j1 < 2 * BJ ? L - j1 : 2 * BJ;
+    Stream ns(k + j1 * D, next * D * 2, (n + BJ - 1) / BJ * ((R + 1) / 2));
+    for (int64_t b = 0; b < n; b += BJ) {  // the weights times V
+        const int64_t nb = BJ < n - b ? BJ : n - b;
+        widen_block<D>(v + (lo + b) * D, blk.data(), nb, nb);
+        for (int64_t r = 0; r < R; r += 2) {
+            if (r + 1 < R) pv_tile<D, 2>(&sc[r * n8 + b], n8, blk.data(), nb, part + r * (D + 2) + 2);
+            else pv_tile<D, 1>(&sc[r * n8 + b], n8, blk.data(), nb, part + r * (D + 2) + 2);
+            ns.step();
         }
     }
 }
@@ -422,7 +488,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     float *qf = qf_.data(), *parts = parts_.data();
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < B * H * S * D; i++) qf[i] = from_bf16(q[i]) * scale;
-    #pragma omp parallel for schedule(dynamic)
+    #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
         // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
