@@ -61,6 +61,10 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// unpacklo/hi with zeros put each bf16 in the top half of an fp32: elements 0-3, 8-11 and 4-7, 12-15 of 16
+static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
+static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
+
 static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -73,10 +77,6 @@ static inline void put(void* y, int64_t i, float v, int64_t f32) {
 """
 
 AVX2 = r"""
-
-// unpacklo/hi with zeros put each bf16 in the top half of an fp32: elements 0-3, 8-11 and 4-7, 12-15 of 16
-static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
-static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
 
 // one row of w against one row of x (already fp32, in lo/hi order): 8 independent FMA chains, and the row is
 // read front to back, which the hardware prefetcher follows even for short rows
@@ -330,13 +330,11 @@ static inline __m256 sum8x8(const __m256* a) {  // lane t: the sum of a[t]'s lan
 
 enum { CHUNK = 256 };  // cache positions per task
 
-// n rows of D bf16 (D apart) to fp32, zero rows after them up to n8: a block of K or V, then read from L1 by every
-// query row of the task
-template <int D>
-static void widen_block(const uint16_t* src, float* dst, int64_t n, int64_t n8) {
-    for (int64_t j = 0; j < n8; j++)
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(dst + j * D + d, j < n ? widen8(src + j * D + d) : _mm256_setzero_ps());
+// where dimension i is kept in q and in the outputs: 16 at a time in the order that unpacking 16 bf16 under zeros
+// gives (lo: 0-3, 8-11; hi: 4-7, 12-15), so that K and V are used as they are loaded
+static inline int64_t in16(int64_t i) {
+    int64_t j = i % 16;
+    return i - j + (j < 4 ? j : j < 8 ? j + 4 : j < 12 ? j - 4 : j);
 }
 
 // Bytes [p, end) requested into L2 a few lines per step, paced through the compute: K and V arrive while the FMAs
@@ -352,57 +350,62 @@ struct Stream {
     }
 };
 
-// s[r * ld + t] = q_r . k_t for RT (1 or 2) query rows (D apart) and 4 positions of kb (D apart): each K vector
-// loaded serves both rows, and 8 accumulators sum in one go
+// s[r * ld + t] = q_r . k_t for RT (1 to 4) query rows (D apart, each 16 dimensions in the order the unpacks below
+// give: 0-3, 8-11, 4-7, 12-15) and 2 positions of bf16 K (D apart): K is widened in registers by unpacking it
+// under zeros, each vector serving RT rows, instead of through an fp32 copy
 template <int D, int RT>
-static inline void qk_tile(const float* q, const float* kb, float* s, int64_t ld) {
+static inline void qk_tile16(const float* q, const uint16_t* k, float* s, int64_t ld) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8) {
+    for (int d = 0; d < D; d += 16) {
         __m256 kv[4];
-        for (int t = 0; t < 4; t++) kv[t] = _mm256_loadu_ps(kb + t * D + d);
+        for (int t = 0; t < 2; t++) {
+            __m256i w = _mm256_loadu_si256((const __m256i*)(k + t * D + d));
+            kv[2 * t] = lo(w), kv[2 * t + 1] = hi(w);
+        }
         for (int r = 0; r < RT; r++) {
-            __m256 qv = _mm256_loadu_ps(q + r * D + d);
-            for (int t = 0; t < 4; t++) a[4 * r + t] = _mm256_fmadd_ps(qv, kv[t], a[4 * r + t]);
+            __m256 q0 = _mm256_loadu_ps(q + r * D + d), q1 = _mm256_loadu_ps(q + r * D + d + 8);
+            for (int t = 0; t < 2; t++)
+                a[2 * r + t] = _mm256_fmadd_ps(q1, kv[2 * t + 1], _mm256_fmadd_ps(q0, kv[2 * t], a[2 * r + t]));
         }
     }
-    __m256 sum = sum8x8(a);  // lanes 0-3 row 0's positions, 4-7 row 1's
-    _mm_storeu_ps(s, _mm256_castps256_ps128(sum));
-    if (RT == 2) _mm_storeu_ps(s + ld, _mm256_extractf128_ps(sum, 1));
+    alignas(32) float sum[8];
+    _mm256_store_ps(sum, sum8x8(a));  // lane 2r + t: row r, position t
+    for (int r = 0; r < RT; r++) s[r * ld] = sum[2 * r], s[r * ld + 1] = sum[2 * r + 1];
 }
 
-// o_r += sum_j p_r[j] v_j for RT (1 or 2) rows (p ld apart, o D + 2 apart) over n positions of vb (D apart),
-// 32 dimensions at a time: 8 accumulators, each V vector loaded serving both rows
+// o_r += sum_j p_r[j] v_j for RT (1 to 4) rows (p ld apart, o D + 2 apart, o's dimensions in qk_tile16's order)
+// over n positions of bf16 V (D apart), 16 dimensions at a time: each V vector unpacked serves RT rows
 template <int D, int RT>
-static inline void pv_tile(const float* p, int64_t ld, const float* vb, int64_t n, float* o) {
-    constexpr int DV = D < 32 ? D : 32;
-    for (int d0 = 0; d0 < D; d0 += DV) {
-        __m256 acc[RT][DV / 8];
+static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int64_t n, float* o) {
+    for (int d = 0; d < D; d += 16) {
+        __m256 acc[RT][2];
         for (int r = 0; r < RT; r++)
-            for (int i = 0; i < DV / 8; i++) acc[r][i] = _mm256_loadu_ps(o + r * (D + 2) + d0 + 8 * i);
+            for (int i = 0; i < 2; i++) acc[r][i] = _mm256_loadu_ps(o + r * (D + 2) + d + 8 * i);
         for (int64_t j = 0; j < n; j++) {
-            __m256 vv[DV / 8];
-            for (int i = 0; i < DV / 8; i++) vv[i] = _mm256_loadu_ps(vb + j * D + d0 + 8 * i);
+            __m256i w = _mm256_loadu_si256((const __m256i*)(v + j * D + d));
+            __m256 v0 = lo(w), v1 = hi(w);
             for (int r = 0; r < RT; r++) {
                 __m256 pj = _mm256_broadcast_ss(p + r * ld + j);
-                for (int i = 0; i < DV / 8; i++) acc[r][i] = _mm256_fmadd_ps(pj, vv[i], acc[r][i]);
+                acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
             }
         }
         for (int r = 0; r < RT; r++)
-            for (int i = 0; i < DV / 8; i++) _mm256_storeu_ps(o + r * (D + 2) + d0 + 8 * i, acc[r][i]);
+            for (int i = 0; i < 2; i++) _mm256_storeu_ps(o + r * (D + 2) + d + 8 * i, acc[r][i]);
     }
 }
 
 // One task: the R = (H / Hkv) * S query rows of one KV head, over cache positions [j0, j1) (k and v point at the
 // head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
-// and the unnormalized output (D values) to part [R][D + 2]. Only the span of positions some row attends is read
-// (a short context in a longer cache skips the rest), in blocks of 16 KB of fp32 that stay in L1 while the rows,
-// two at a time, go over them: FMA-bound, not bound by L2 or by the bf16 conversion.
+// and the unnormalized output (D values, in16 order) to part [R][D + 2]. Only the span of positions some row
+// attends is read (a short context in a longer cache skips the rest), in blocks of 8 KB that stay in L1 while the
+// rows, four at a time, go over them, widening bf16 in registers. At 4k positions, an fp32 copy of each block took
+// 28% longer, and leaving the reads to the hardware prefetcher 20% longer.
 template <int D>
 static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
                          int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
-    constexpr int64_t BJ = 4096 / D < CHUNK ? 4096 / D : CHUNK;  // positions per block
-    static thread_local std::vector<float> blk, sc;
+    constexpr int64_t BJ = 4096 / D < CHUNK ? 4096 / D : CHUNK;  // positions per block: 8 KB of K or V
+    static thread_local std::vector<float> sc;
     int64_t lo = j1, hi = j0;
     for (int64_t s = 0; s < S; s++) {
         const uint8_t* m = mask + s * L;
@@ -417,22 +420,29 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
     }
     if (lo >= hi) return;
     const int64_t n = hi - lo, n8 = (n + 7) / 8 * 8;
-    blk.resize(BJ * D); sc.resize(R * n8);
+    sc.resize(R * n8);
     // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
     // blocks of K (the same thread's next task, mostly) during the weighted sum
-    const int64_t tiles = (R + 1) / 2 * (n8 / 4), ahead = 2 * BJ < n ? 2 * BJ : n;
+    const int64_t tiles = (R + 3) / 4 * ((n + 1) / 2), ahead = 2 * BJ < n ? 2 * BJ : n;
     for (Stream first(k + lo * D, ahead * D * 2, 1); first.p < first.end;) first.step();
     Stream ks(k + (lo + ahead) * D, (n - ahead) * D * 2, tiles), vs(v + lo * D, n * D * 2, tiles);
-    for (int64_t b = 0; b < n8; b += BJ) {  // scores
-        const int64_t nb = BJ < n8 - b ? BJ : n8 - b;
-        widen_block<D>(k + (lo + b) * D, blk.data(), n - b < nb ? n - b : nb, nb);
-        for (int64_t r = 0; r < R; r += 2)
-            for (int64_t j = 0; j < nb; j += 4) {
-                if (r + 1 < R) qk_tile<D, 2>(qf + r * D, &blk[j * D], &sc[r * n8 + b + j], n8);
-                else qk_tile<D, 1>(qf + r * D, &blk[j * D], &sc[r * n8 + b + j], n8);
+    for (int64_t b = 0; b < n; b += BJ)  // scores: a block of K stays in L1 for every row
+        for (int64_t r = 0; r < R; r += 4)
+            for (int64_t j = b; j < b + BJ && j < n; j += 2) {
+                const uint16_t* kj = k + (lo + j) * D;
+                alignas(32) uint16_t pair[2 * D];  // the last position alone: a zero row after it
+                if (j + 1 == n) {
+                    for (int d = 0; d < D; d++) pair[d] = kj[d], pair[D + d] = 0;
+                    kj = pair;
+                }
+                switch (R - r < 4 ? R - r : 4) {
+                    case 4: qk_tile16<D, 4>(qf + r * D, kj, &sc[r * n8 + j], n8); break;
+                    case 3: qk_tile16<D, 3>(qf + r * D, kj, &sc[r * n8 + j], n8); break;
+                    case 2: qk_tile16<D, 2>(qf + r * D, kj, &sc[r * n8 + j], n8); break;
+                    default: qk_tile16<D, 1>(qf + r * D, kj, &sc[r * n8 + j], n8);
+                }
                 ks.step(), vs.step();
             }
-    }
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int64_t r = 0; r < R; r++) {  // masked to -inf, then e^(s - m)
         const uint8_t* mr = mask + (r % S) * L + lo;
@@ -462,21 +472,26 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
         part[r * (D + 2) + 1] = hsum8(sum);
     }
     const int64_t next = L - j1 < 2 * BJ ? L - j1 : 2 * BJ;
-    Stream ns(k + j1 * D, next * D * 2, (n + BJ - 1) / BJ * ((R + 1) / 2));
-    for (int64_t b = 0; b < n; b += BJ) {  // the weights times V
-        const int64_t nb = BJ < n - b ? BJ : n - b;
-        widen_block<D>(v + (lo + b) * D, blk.data(), nb, nb);
-        for (int64_t r = 0; r < R; r += 2) {
-            if (r + 1 < R) pv_tile<D, 2>(&sc[r * n8 + b], n8, blk.data(), nb, part + r * (D + 2) + 2);
-            else pv_tile<D, 1>(&sc[r * n8 + b], n8, blk.data(), nb, part + r * (D + 2) + 2);
+    Stream ns(k + j1 * D, next * D * 2, (n + BJ - 1) / BJ * ((R + 3) / 4));
+    for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
+        for (int64_t r = 0; r < R; r += 4) {
+            const float* p = &sc[r * n8 + b];
+            const uint16_t* vb = v + (lo + b) * D;
+            const int64_t nb = BJ < n - b ? BJ : n - b;
+            float* o = part + r * (D + 2) + 2;
+            switch (R - r < 4 ? R - r : 4) {
+                case 4: pv_tile16<D, 4>(p, n8, vb, nb, o); break;
+                case 3: pv_tile16<D, 3>(p, n8, vb, nb, o); break;
+                case 2: pv_tile16<D, 2>(p, n8, vb, nb, o); break;
+                default: pv_tile16<D, 1>(p, n8, vb, nb, o);
+            }
             ns.step();
         }
-    }
 }
 
 // out[B, H, S, D] = softmax(q k^T / sqrt(D) + mask) v, bf16; q [B, H, S, D] contiguous; k and v [B, Hkv, L, D]
 // with rows of D contiguous and strides kb, kh; mask [B, S, L] bytes (nonzero: attend), batch stride mb (0: shared).
-// D one of 64, 128, 256, 32, 16 or 8; H a multiple of Hkv, query head h reading KV head h / (H / Hkv).
+// D one of 64, 128, 256, 32 or 16; H a multiple of Hkv, query head h reading KV head h / (H / Hkv).
 extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out,
                        int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
                        int64_t mb) {
@@ -487,7 +502,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     qf_.resize(B * H * S * D); parts_.resize(tasks * R * (D + 2));
     float *qf = qf_.data(), *parts = parts_.data();
     const float scale = 1.f / sqrtf((float)D);
-    for (int64_t i = 0; i < B * H * S * D; i++) qf[i] = from_bf16(q[i]) * scale;
+    for (int64_t i = 0; i < B * H * S * D; i++) qf[in16(i)] = from_bf16(q[i]) * scale;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
@@ -501,8 +516,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
             case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
             case 256: attend_chunk<256>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
             case 32: attend_chunk<32>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-            case 16: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-            default: attend_chunk<8>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
+            default: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
         }
     }
     #pragma omp parallel for schedule(static)
@@ -520,7 +534,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
             for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
         }
         int64_t b = bh / Hkv, h = bh % Hkv * G + r / S, s = r % S;
-        for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[d] / l);
+        for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[in16(d)] / l);
     }
 }
 """
@@ -700,10 +714,14 @@ def compile_once(source: str, flags: list[str]) -> Path:
     return lib
 
 
+def compile_set(source: str, flags: list[str]) -> Path:
+    """One kernel set's shared library, compiled for its instruction set (which this CPU need not have)."""
+    return compile_once(PRELUDE + source + QUANTIZED, ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"])
+
+
 def build(source: str, flags: list[str]) -> ctypes.CDLL:
-    """One kernel set, compiled for the CPU's instruction set."""
-    flags = ["-O3", *flags, "-fopenmp", "-shared", "-fPIC"]
-    return ctypes.CDLL(str(compile_once(PRELUDE + source + QUANTIZED, flags)))
+    """One kernel set, compiled for the CPU's instruction set and loaded."""
+    return ctypes.CDLL(str(compile_set(source, flags)))
 
 
 def build_glue() -> ctypes.CDLL:
@@ -808,7 +826,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is
     """F.scaled_dot_product_attention, with a few query rows over a bf16 KV cache through attend() (decode and
     verification: q [B, H, S, D] for S < MAX_ROWS, a boolean mask [B|1, 1, S, L]); anything else through torch's."""
     if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.size(1) == 1 and q.size(2) < MAX_ROWS
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.size(-1) in (8, 16, 32, 64, 128, 256)
+            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and q.size(-1) in (16, 32, 64, 128, 256)
             and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v) and k.stride() == v.stride()
             and attn_mask.stride(-1) == 1 and attn_mask.stride(-2) == attn_mask.size(-1)
             and not (torch.is_grad_enabled() and q.requires_grad)):

@@ -1,6 +1,8 @@
 """cpu_gemv.py: for every kernel set this CPU runs, the bf16 decode product gives the exact answer rounded to
 bf16, the int8 and int4 ones stay within a percent of it, and attention for a few query rows equals torch's; the layers it installs decline what they cannot do,
 compile into one graph, and give a model the tokens torch's kernels give; without a compiler torch's stay."""
+import platform
+
 import pytest
 import torch
 import torch.nn as nn
@@ -171,6 +173,14 @@ def test_the_cpu_features_choose_the_kernel_sets():
         assert names(avx512) == ["avx512", "avx2"]
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernel sets")
+def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run():
+    # g++ builds AVX-512 code on any x86 machine: a set that only an AVX-512 CPU runs still fails here if it breaks
+    every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+    for name, source, flags in cpu_gemv.targets(every):
+        assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
+
+
 @pytest.mark.parametrize("rows,n,k", [(1, 5632, 2048), (3, 7, 64)])  # K a multiple of 16 (bf16) and 32 (int8)
 def test_float32_products_keep_what_bf16_would_round_away(kernels, rows, n, k):
     torch.manual_seed(0)
@@ -205,6 +215,8 @@ def attention_case(B, H, Hkv, S, L, D, pad=None, cache=None):
     (3, 6, 2, 5, 600, 64, [0, 3, 300]),  # verification of 5 tokens, left padding; row 2's first chunk all hidden
     (2, 4, 4, 7, 19, 128, [1, 0]),  # multi-head, 128 dimensions, a context shorter than 8 positions past a block
     (1, 8, 1, 3, 40, 32, None),  # multi-query
+    (1, 4, 2, 1, 33, 16, None),  # two query rows per KV head, 16 dimensions
+    (2, 2, 2, 1, 70, 256, [5, 0]),  # multi-head decode: one query row per KV head, 256 dimensions
 ])
 def test_attention_for_few_rows_equals_torchs_to_a_bf16_step(kernels, B, H, Hkv, S, L, D, pad):
     torch.manual_seed(0)
