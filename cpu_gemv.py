@@ -129,8 +129,10 @@ struct XQ {  // one row of x rounded to int8 per block of B: xq, and per block t
 
 // even_odd (int4): within every 64 values, the 32 at even positions first, then the 32 at odd ones, which is where
 // a 32-byte load of packed weights finds them (its low nibbles, then its high ones)
+// d, c and sum have zeros after the last block, up to a multiple of 8 blocks.
 static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd, XQ& p) {
-    p.q.resize(K); p.d.resize(K / B); p.c.resize(K / B); p.sum.resize(K / B);
+    const int64_t b8 = (K / B + 7) / 8 * 8;
+    p.q.resize(K); p.d.assign(b8, 0.f); p.c.assign(b8, 0.f); p.sum.assign(b8, 0.f);
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t b = 0; b < K / B; b++) {
         const uint16_t* xb = x + b * B;
@@ -264,12 +266,100 @@ static void gemv_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t*
             put(y, m * N + n, dot_i4<G>(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K), f32);
 }
 
+// Many rows of x (prefill, verification): a tile of 2 rows of x by 2 rows of w, so that each weight vector
+// unpacked serves both rows of x and each x vector loaded serves both rows of w, with 4 accumulators of each kind
+// in registers. per[b] points at w row b's scales, 8 x its scales and its zeros as floats (groups padded to a
+// multiple of 8 with zeros); out[a][b] = x row a . w row b.
+template <int G>
+static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* per[2][3], int64_t K, float out[2][2]) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    const int64_t groups = K / G;
+    __m256 acc[2][2];
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        for (int a = 0; a < 2; a++)  // zero * sum x - 8 scale * c, 8 groups at once: added lane by lane, as the rest
+            for (int b = 0; b < 2; b++) {
+                acc[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(per[b][2] + g0), _mm256_loadu_ps(&xr[a]->sum[g0]), acc[a][b]);
+                acc[a][b] = _mm256_fnmadd_ps(_mm256_loadu_ps(per[b][1] + g0), _mm256_loadu_ps(&xr[a]->c[g0]), acc[a][b]);
+            }
+        for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
+            __m256i p[2][2];
+            for (int a = 0; a < 2; a++)
+                for (int b = 0; b < 2; b++) p[a][b] = _mm256_setzero_si256();
+            for (int j = 0; j < G / 64; j++) {
+                __m256i lo[2], hi[2];
+                for (int b = 0; b < 2; b++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(wr[b] + g * G / 2 + 32 * j));
+                    lo[b] = _mm256_and_si256(v, nib), hi[b] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                }
+                for (int a = 0; a < 2; a++) {
+                    const int8_t* xg = &xr[a]->q[g * G + 64 * j];
+                    __m256i xe = _mm256_loadu_si256((const __m256i*)xg), xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
+                    for (int b = 0; b < 2; b++)
+#ifdef __AVX512VNNI__
+                        p[a][b] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p[a][b], lo[b], xe), hi[b], xo);
+#else
+                        p[a][b] = _mm256_add_epi16(p[a][b], _mm256_add_epi16(_mm256_maddubs_epi16(lo[b], xe),
+                                                                             _mm256_maddubs_epi16(hi[b], xo)));
+#endif
+                }
+            }
+            for (int a = 0; a < 2; a++)
+                for (int b = 0; b < 2; b++) {
+#ifndef __AVX512VNNI__
+                    p[a][b] = _mm256_madd_epi16(p[a][b], _mm256_set1_epi16(1));
+#endif
+                    acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[a][b]), _mm256_set1_ps(per[b][0][g] * xr[a]->d[g]), acc[a][b]);
+                }
+        }
+    }
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) out[a][b] = hsum8(acc[a][b]);
+}
+
+enum { NB = 32 };  // rows of w per task: they stay in L2 while every pair of x rows goes over them
+
+template <int G>
+static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                    void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
+    const int64_t groups = K / G, g8 = (groups + 7) / 8 * 8;
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t n0 = 0; n0 < N; n0 += NB) {
+        const int64_t nb = NB < N - n0 ? NB : N - n0;
+        std::vector<float> f(3 * nb * g8, 0.f);  // per row: scales, 8 x scales, zeros
+        for (int64_t n = 0; n < nb; n++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sc = from_bf16(scales[(n0 + n) * groups + g]);
+                f[(3 * n) * g8 + g] = sc, f[(3 * n + 1) * g8 + g] = 8.f * sc;
+                f[(3 * n + 2) * g8 + g] = from_bf16(zeros[(n0 + n) * groups + g]);
+            }
+        for (int64_t m = 0; m < M; m += 2)
+            for (int64_t n = 0; n < nb; n += 2) {
+                const int64_t m1 = m + 1 < M ? m + 1 : m, n1 = n + 1 < nb ? n + 1 : n;  // odd ones: twice
+                const XQ* xr[2] = {&xq[m], &xq[m1]};
+                const uint8_t* wr[2] = {w + (n0 + n) * K / 2, w + (n0 + n1) * K / 2};
+                const float* per[2][3] = {{&f[3 * n * g8], &f[(3 * n + 1) * g8], &f[(3 * n + 2) * g8]},
+                                          {&f[3 * n1 * g8], &f[(3 * n1 + 1) * g8], &f[(3 * n1 + 2) * g8]}};
+                float o[2][2];
+                tile_i4<G>(xr, wr, per, K, o);
+                for (int a = 0; a < 2 && m + a < M; a++)
+                    for (int b = 0; b < 2 && n + b < nb; b++) put(y, (m + a) * N + n0 + n + b, o[a][b], f32);
+            }
+    }
+}
+
 // y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
 extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ> xq(M);
+    #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, true, xq[m]);
-    if (G == 64) gemv_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
+    if (M > 1) {
+        if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
+        else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
+        else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
+    } else if (G == 64) gemv_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
     else if (G == 128) gemv_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
     else gemv_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
 }
@@ -836,30 +926,25 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is
 
 # ---- prefill: bf16 or fp32, measured -------------------------------------------------------------------------------
 
-def prefill_dtype(n: int, k: int) -> torch.dtype:
-    """The faster dtype here for a prefill-sized product (PROBE_ROWS rows) with a bf16 [n, k] weight: bf16, or fp32
-    with the weight converted on the fly. CPUs without bf16 matrix instructions run torch's bf16 GEMM at a fifth
-    of its fp32 speed or less; with them bf16 wins. At MAX_ROWS rows the two are close (converting the weight
-    costs as much as the product), so that is no place to measure. Timed once per machine, torch and shape (at
-    most 4096 of its rows, speed per FLOP being the same), cached beside the kernels."""
-    n = min(n, 4096)
-    key = f"{cpu_name()}, torch {torch.__version__}, " \
-          f"{torch.get_num_threads()} threads, {PROBE_ROWS} rows, {n}x{k}"
+def fastest(what: str, candidates: dict) -> str:
+    """The name of the fastest of the candidates (callables, each run three times: a warm-up, then the better of
+    two), for `what` on this machine: timed once per machine, torch and thread count, and cached beside the
+    kernels."""
+    key = f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, {what}"
     path = CACHE / "prefill_dtype.json"
     try:
         verdicts = json.loads(path.read_text())
     except (OSError, ValueError):
         verdicts = {}
     if key not in verdicts:
-        x, w = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
         seconds = {}
-        for dtype in (torch.float32, torch.bfloat16):
+        for name, run in candidates.items():
             times = []
-            for _ in range(3):  # the first run warms up; a slow bf16 GEMM takes about a second at most
+            for _ in range(3):
                 t0 = time.perf_counter()
-                F.linear(x.to(dtype), w.to(dtype))
+                run()
                 times.append(time.perf_counter() - t0)
-            seconds[str(dtype)[6:]] = min(times[1:])
+            seconds[name] = min(times[1:])
         verdicts[key] = min(seconds, key=seconds.get)
         try:
             CACHE.mkdir(parents=True, exist_ok=True)
@@ -868,7 +953,35 @@ def prefill_dtype(n: int, k: int) -> torch.dtype:
             os.replace(tmp, path)
         except OSError:
             pass  # a read-only cache only costs the measurement next time
-    return getattr(torch, verdicts[key])
+    return verdicts[key]
+
+
+def prefill_dtype(n: int, k: int) -> torch.dtype:
+    """The faster dtype here for a prefill-sized product (PROBE_ROWS rows) with a bf16 [n, k] weight: bf16, or fp32
+    with the weight converted on the fly. CPUs without bf16 matrix instructions run torch's bf16 GEMM at a fifth
+    of its fp32 speed or less; with them bf16 wins (a slow bf16 GEMM takes about a second here). At MAX_ROWS rows
+    the two are close (converting the weight costs as much as the product), so that is no place to measure. At
+    most 4096 of the weight's rows: speed per FLOP is the same."""
+    n = min(n, 4096)
+    x, w = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
+    return getattr(torch, fastest(f"{PROBE_ROWS} rows, {n}x{k}", {
+        str(dtype)[6:]: (lambda dtype=dtype: F.linear(x.to(dtype), w.to(dtype)))
+        for dtype in (torch.float32, torch.bfloat16)}))
+
+
+def prefill_int4(n: int, k: int, groupsize: int, dtype: torch.dtype) -> bool:
+    """Whether the int4 kernel (x rounded to int8, integer multiply-adds) is faster here for a prefill-sized product
+    than dequantizing the weight for torch's GEMM in dtype. On AVX2 it is, by about 1.7x; a CPU with bf16 matrix
+    tiles may well run torch's bf16 GEMM faster."""
+    n = min(n, 4096)
+    x = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16)
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    scales = torch.full((n, k // groupsize), 0.01, dtype=torch.bfloat16)
+    zeros = torch.zeros_like(scales)
+    return fastest(f"{PROBE_ROWS} rows, int4 groups of {groupsize}, {n}x{k}, else {str(dtype)[6:]}", {
+        "kernel": lambda: torch.ops.fast_decode.gemv_int4(x, w, scales, zeros),
+        "dequantized": lambda: F.linear(x.to(dtype), torch.ops.fast_decode.dequantize_int4(
+            w, scales, zeros, dtype == torch.float32))}) == "kernel"
 
 
 def cpu_name() -> str:
@@ -914,7 +1027,8 @@ class GemvInt8(nn.Module):
 
 class GemvInt4(nn.Module):
     """quantize.py's int4 layer in its stored layout (weight uint8 [N, K'/2], scales and zeros bf16 [N, K'/G]):
-    few rows through the kernel, more by dequantizing (one pass, in C) to the measured dtype for torch's GEMM."""
+    few rows through the kernel; more through it too where that measured faster (kernel_prefill), else by
+    dequantizing (one pass, in C) to the measured dtype for torch's GEMM."""
     def __init__(self, m: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.in_features, self.out_features, self.dtype = m.in_features, m.out_features, dtype
@@ -922,11 +1036,12 @@ class GemvInt4(nn.Module):
         self.register_buffer("scales", m.scales)
         self.register_buffer("zeros", m.zeros)
         self.f32 = False
+        self.kernel_prefill = False  # many rows through the kernel too: install sets it where that measured faster
 
     def forward(self, x: Tensor) -> Tensor:
         k = 2 * self.weight.size(1)
         x2 = F.pad(x.reshape(-1, x.size(-1)), (0, k - x.size(-1)))  # the weight's zero columns meet zero inputs
-        if few_rows(x):
+        if few_rows(x) or (self.kernel_prefill and not (torch.is_grad_enabled() and x.requires_grad)):
             y = torch.ops.fast_decode.gemv_int4(x2, self.weight, self.scales, self.zeros, self.f32)
         else:
             w = torch.ops.fast_decode.dequantize_int4(self.weight, self.scales, self.zeros, self.dtype == torch.float32)
@@ -962,6 +1077,10 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
         load(name)
     shapes = [(m.out_features, m.in_features) for m in model.modules() if hasattr(m, "out_features")]
     dtype = prefill_dtype(*max(shapes, key=lambda s: s[0] * s[1])) if shapes else torch.bfloat16
+    int4 = [m for m in model.modules() if replacement(m, dtype).__class__ is GemvInt4]
+    if int4:
+        w = max(int4, key=lambda m: m.weight.numel()).weight
+        kernel_prefill = prefill_int4(w.size(0), 2 * w.size(1), 2 * w.size(1) // int4[0].scales.size(1), dtype)
     for parent in list(model.modules()):
         if _lib is not None and getattr(parent, "sdpa", None) is F.scaled_dot_product_attention:
             parent.sdpa = sdpa  # model.py's attention takes its attention function from here
@@ -970,6 +1089,8 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
             if new is not None:
                 # the output head writes float32 logits: a small model's top two can be closer than a bf16 step
                 new.f32 = parent is model and child_name == "output"
+                if isinstance(new, GemvInt4):
+                    new.kernel_prefill = kernel_prefill
                 setattr(parent, child_name, new)
     return describe(model)
 
@@ -980,5 +1101,8 @@ def describe(model: nn.Module) -> str:
     gemv = [m for m in layers if getattr(m, "gemv", True)]
     if not layers:
         return "CPU kernels: torch's"
-    dtypes = {str(m.dtype)[6:] for m in layers if hasattr(m, "dtype")}
-    return f"CPU kernels: {kernels if gemv else 'torch'}" + (f", prefill in {dtypes.pop()}" if dtypes else "")
+    dtypes = {str(m.dtype)[6:] for m in layers if not getattr(m, "kernel_prefill", False)}
+    prefill = [f"prefill in {dtypes.pop()}"] if dtypes else []
+    if any(getattr(m, "kernel_prefill", False) for m in layers):
+        prefill.append("int4 prefill in the kernels")
+    return ", ".join([f"CPU kernels: {kernels if gemv else 'torch'}", *prefill])

@@ -48,7 +48,8 @@ def test_int8_product_stays_within_a_percent_of_the_scaled_product(kernels, rows
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("rows,n,k,groupsize", [(1, 5632, 2048, 128), (3, 7, 256, 64), (8, 1030, 512, 256)])
+@pytest.mark.parametrize("rows,n,k,groupsize", [(1, 5632, 2048, 128), (3, 7, 256, 64), (8, 1030, 512, 256),
+                                                (64, 71, 1152, 128), (33, 40, 192, 64)])  # prefill: tiles of 2 x 2
 def test_int4_product_stays_within_a_percent_of_the_dequantized_product(kernels, rows, n, k, groupsize):
     # the kernel rounds x to int8 per group (and the result to bf16): about 0.7% here, against ~10% for int4 itself
     torch.manual_seed(0)
@@ -107,19 +108,32 @@ def test_int4_weights_dequantize_for_prefill_as_quantize_py_does(kernels, f32):
 
 
 @torch.no_grad()
-def test_many_rows_of_quantized_layers_go_to_torchs_gemm_in_the_measured_dtype():
+def test_many_rows_of_quantized_layers_go_to_torchs_gemm_in_the_measured_dtype_or_to_the_int4_kernel():
     torch.manual_seed(0)
     int8 = quantize.Int8Linear(64, 48)
     int8.weight, int8.scales = quantize.quantize_int8(torch.randn(48, 64))
     int4 = quantize.Int4Linear(128, 48, 64)
     q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 128), 64)
     int4.weight = quantize.pack_nibbles(q)
+    x = torch.randn(cpu_gemv.MAX_ROWS, 128).bfloat16()
     for layer, w in ((int8, quantize.dequantize_int8(int8.weight, int8.scales)), (int4, quantize.dequantize_int4(q, int4.scales, int4.zeros))):
         ours = installed(layer)
-        x = torch.randn(cpu_gemv.MAX_ROWS, w.size(1)).bfloat16()
-        exact = x.double() @ w.double().T
+        exact = x[:, :w.size(1)].double() @ w.double().T
         assert isinstance(ours, (cpu_gemv.GemvInt8, cpu_gemv.GemvInt4))
-        assert ((ours(x).double() - exact).norm() / exact.norm()).item() < 1e-2
+        for kernel_prefill in ([False, True] if isinstance(ours, cpu_gemv.GemvInt4) else [False]):
+            ours.kernel_prefill = kernel_prefill  # both int4 paths: dequantized for torch's GEMM, and the kernel
+            assert ((ours(x[:, :w.size(1)]).double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def test_int4_prefill_takes_the_path_measured_faster_here(monkeypatch):
+    int4 = quantize.Int4Linear(128, 48, 64)
+    q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 128), 64)
+    int4.weight = quantize.pack_nibbles(q)
+    for faster in (True, False):
+        monkeypatch.setattr(cpu_gemv, "prefill_int4", lambda n, k, groupsize, dtype: faster)
+        ours = installed(int4)
+        assert ours.kernel_prefill is faster
+        assert ("int4 prefill in the kernels" in cpu_gemv.describe(nn.Sequential(ours))) is faster
 
 
 @torch.no_grad()
