@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -238,6 +239,51 @@ static inline float dot_i8_exact(const float* x, const int8_t* w, int64_t K) {
     return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 
+// Many rows of x (prefill, verification): tiles of 2 rows of x by 2 rows of w, as tile_i4 below; out[a][b] =
+// x row a . w row b, before w's row scale
+static inline void tile_i8(const XQ* xr[2], const int8_t* wr[2], int64_t K, float out[2][2]) {
+    __m256 acc[2][2];
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256i v[2], av[2];
+        for (int b = 0; b < 2; b++) v[b] = _mm256_loadu_si256((const __m256i*)(wr[b] + k)), av[b] = _mm256_sign_epi8(v[b], v[b]);
+        for (int a = 0; a < 2; a++) {
+            __m256i x = _mm256_loadu_si256((const __m256i*)&xr[a]->q[k]);
+            __m256 d = _mm256_broadcast_ss(&xr[a]->d[k / 32]);
+            for (int b = 0; b < 2; b++) {
+                __m256i sx = _mm256_sign_epi8(x, v[b]);
+#ifdef __AVX512VNNI__
+                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), av[b], sx);
+#else
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[b], sx), _mm256_set1_epi16(1));
+#endif
+                acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[a][b]);
+            }
+        }
+    }
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) out[a][b] = hsum8(acc[a][b]);
+}
+
+enum { NB = 32 };  // rows of w per task: they stay in L2 while every pair of x rows goes over them
+
+static void gemm_i8(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* scales, void* y, int64_t M, int64_t N,
+                    int64_t K, int64_t f32) {
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t n0 = 0; n0 < N; n0 += NB)
+        for (int64_t m = 0; m < M; m += 2)
+            for (int64_t n = n0; n < N && n < n0 + NB; n += 2) {
+                const int64_t m1 = m + 1 < M ? m + 1 : m, n1 = n + 1 < N ? n + 1 : n;  // odd ones: twice
+                const XQ* xr[2] = {&xq[m], &xq[m1]};
+                const int8_t* wr[2] = {w + n * K, w + n1 * K};
+                float o[2][2];
+                tile_i8(xr, wr, K, o);
+                for (int a = 0; a < 2 && m + a < M; a++)
+                    for (int b = 0; b < 2 && n + b < N; b++) put(y, (m + a) * N + n + b, o[a][b] * from_bf16(scales[n + b]), f32);
+            }
+}
+
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
@@ -251,10 +297,15 @@ extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* sc
         return;
     }
     std::vector<XQ> xq(M);
+    #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, false, xq[m]);
+    if (M > 1) {
+        gemm_i8(xq, w, scales, y, M, N, K, f32);
+        return;
+    }
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
-        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot_i8(xq[m], w + n * K, K) * from_bf16(scales[n]), f32);
+    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once
+        put(y, n, dot_i8(xq[0], w + n * K, K) * from_bf16(scales[n]), f32);
 }
 
 template <int G>
@@ -317,8 +368,6 @@ static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* p
     for (int a = 0; a < 2; a++)
         for (int b = 0; b < 2; b++) out[a][b] = hsum8(acc[a][b]);
 }
-
-enum { NB = 32 };  // rows of w per task: they stay in L2 while every pair of x rows goes over them
 
 template <int G>
 static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
@@ -969,19 +1018,26 @@ def prefill_dtype(n: int, k: int) -> torch.dtype:
         for dtype in (torch.float32, torch.bfloat16)}))
 
 
-def prefill_int4(n: int, k: int, groupsize: int, dtype: torch.dtype) -> bool:
-    """Whether the int4 kernel (x rounded to int8, integer multiply-adds) is faster here for a prefill-sized product
-    than dequantizing the weight for torch's GEMM in dtype. On AVX2 it is, by about 1.7x; a CPU with bf16 matrix
-    tiles may well run torch's bf16 GEMM faster."""
-    n = min(n, 4096)
-    x = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16)
-    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
-    scales = torch.full((n, k // groupsize), 0.01, dtype=torch.bfloat16)
-    zeros = torch.zeros_like(scales)
-    return fastest(f"{PROBE_ROWS} rows, int4 groups of {groupsize}, {n}x{k}, else {str(dtype)[6:]}", {
-        "kernel": lambda: torch.ops.fast_decode.gemv_int4(x, w, scales, zeros),
-        "dequantized": lambda: F.linear(x.to(dtype), torch.ops.fast_decode.dequantize_int4(
-            w, scales, zeros, dtype == torch.float32))}) == "kernel"
+def prefill_in_kernel(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a quantized layer (GemvInt8, GemvInt4) multiplies many rows (prefill) faster here in its kernel (x
+    rounded to int8, integer multiply-adds) than through torch's GEMM in dtype. On AVX2 the kernel is faster (int4
+    about 1.7x, int8 1.2-1.3x at 256-512 rows); a CPU with bf16 matrix tiles may well run torch's faster. Timed on
+    at most 4096 of the layer's rows."""
+    n = min(layer.weight.size(0), 4096)
+    if isinstance(layer, GemvInt8):
+        probe, what = GemvInt8(layer.weight[:n], layer.scales[:n], dtype), "int8"
+    else:
+        probe = GemvInt4(SimpleNamespace(in_features=layer.in_features, out_features=n, weight=layer.weight[:n],
+                                         scales=layer.scales[:n], zeros=layer.zeros[:n]), dtype)
+        what = f"int4 groups of {2 * layer.weight.size(1) // layer.scales.size(1)}"
+    x = torch.randn(PROBE_ROWS, layer.weight.size(1) if what == "int8" else layer.in_features, dtype=torch.bfloat16)
+
+    def run(kernel: bool):
+        probe.kernel_prefill = kernel
+        with torch.no_grad():
+            probe(x)
+    return fastest(f"{PROBE_ROWS} rows, {what}, {n}x{x.size(1)}, else {str(dtype)[6:]}",
+                   {"kernel": lambda: run(True), "torch": lambda: run(False)}) == "kernel"
 
 
 def cpu_name() -> str:
@@ -1008,17 +1064,19 @@ class GemvBf16(nn.Module):
 
 
 class GemvInt8(nn.Module):
-    """quantize.py's int8 layer (weight int8 [N, K], scales bf16 [N]): few rows through the kernel, more through
-    torch's GEMM in the measured dtype (its own int8 matmul runs a quarter as fast on AVX2)."""
+    """quantize.py's int8 layer (weight int8 [N, K], scales bf16 [N]): few rows through the kernel; more through it
+    too where that measured faster (kernel_prefill), else through torch's GEMM in the measured dtype (its own int8
+    matmul runs a quarter as fast on AVX2)."""
     def __init__(self, weight: Tensor, scales: Tensor, dtype: torch.dtype):
         super().__init__()
         self.dtype = dtype
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.f32 = False
+        self.kernel_prefill = False  # many rows through the kernel too: install sets it where that measured faster
 
     def forward(self, x: Tensor) -> Tensor:
-        if few_rows(x):
+        if few_rows(x) or (self.kernel_prefill and not (torch.is_grad_enabled() and x.requires_grad)):
             return torch.ops.fast_decode.gemv_int8(x, self.weight, self.scales, self.f32)
         # the int8 weight holds its values exactly in either dtype; the scale, per output, applies after the product
         y = F.linear(x.to(self.dtype), self.weight.to(self.dtype)) * self.scales.to(self.dtype)
@@ -1077,10 +1135,6 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
         load(name)
     shapes = [(m.out_features, m.in_features) for m in model.modules() if hasattr(m, "out_features")]
     dtype = prefill_dtype(*max(shapes, key=lambda s: s[0] * s[1])) if shapes else torch.bfloat16
-    int4 = [m for m in model.modules() if replacement(m, dtype).__class__ is GemvInt4]
-    if int4:
-        w = max(int4, key=lambda m: m.weight.numel()).weight
-        kernel_prefill = prefill_int4(w.size(0), 2 * w.size(1), 2 * w.size(1) // int4[0].scales.size(1), dtype)
     for parent in list(model.modules()):
         if _lib is not None and getattr(parent, "sdpa", None) is F.scaled_dot_product_attention:
             parent.sdpa = sdpa  # model.py's attention takes its attention function from here
@@ -1089,9 +1143,12 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
             if new is not None:
                 # the output head writes float32 logits: a small model's top two can be closer than a bf16 step
                 new.f32 = parent is model and child_name == "output"
-                if isinstance(new, GemvInt4):
-                    new.kernel_prefill = kernel_prefill
                 setattr(parent, child_name, new)
+    for kind in (GemvInt8, GemvInt4):  # measured on the largest layer of each kind
+        layers = [m for m in model.modules() if isinstance(m, kind)]
+        faster = bool(layers) and prefill_in_kernel(max(layers, key=lambda m: m.weight.numel()), dtype)
+        for m in layers:
+            m.kernel_prefill = faster
     return describe(model)
 
 
@@ -1103,6 +1160,8 @@ def describe(model: nn.Module) -> str:
         return "CPU kernels: torch's"
     dtypes = {str(m.dtype)[6:] for m in layers if not getattr(m, "kernel_prefill", False)}
     prefill = [f"prefill in {dtypes.pop()}"] if dtypes else []
-    if any(getattr(m, "kernel_prefill", False) for m in layers):
-        prefill.append("int4 prefill in the kernels")
+    kinds = [kind for kind, c in (("int8", GemvInt8), ("int4", GemvInt4))
+             if any(isinstance(m, c) and m.kernel_prefill for m in layers)]
+    if kinds:
+        prefill.append(f"{' and '.join(kinds)} prefill in the kernels")
     return ", ".join([f"CPU kernels: {kernels if gemv else 'torch'}", *prefill])

@@ -1,6 +1,7 @@
 """cpu_gemv.py: for every kernel set this CPU runs, the bf16 decode product gives the exact answer rounded to
 bf16, the int8 and int4 ones stay within a percent of it, and attention for a few query rows equals torch's; the layers it installs decline what they cannot do,
 compile into one graph, and give a model the tokens torch's kernels give; without a compiler torch's stay."""
+import json
 import platform
 
 import pytest
@@ -108,32 +109,47 @@ def test_int4_weights_dequantize_for_prefill_as_quantize_py_does(kernels, f32):
 
 
 @torch.no_grad()
-def test_many_rows_of_quantized_layers_go_to_torchs_gemm_in_the_measured_dtype_or_to_the_int4_kernel():
+def quantized_layers():  # int8 and int4 layers of 48 x 128, and their weights dequantized
     torch.manual_seed(0)
-    int8 = quantize.Int8Linear(64, 48)
-    int8.weight, int8.scales = quantize.quantize_int8(torch.randn(48, 64))
+    int8 = quantize.Int8Linear(128, 48)
+    int8.weight, int8.scales = quantize.quantize_int8(torch.randn(48, 128))
     int4 = quantize.Int4Linear(128, 48, 64)
     q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 128), 64)
     int4.weight = quantize.pack_nibbles(q)
-    x = torch.randn(cpu_gemv.MAX_ROWS, 128).bfloat16()
-    for layer, w in ((int8, quantize.dequantize_int8(int8.weight, int8.scales)), (int4, quantize.dequantize_int4(q, int4.scales, int4.zeros))):
+    return (int8, quantize.dequantize_int8(int8.weight, int8.scales)), (int4, quantize.dequantize_int4(q, int4.scales, int4.zeros))
+
+
+@torch.no_grad()
+def test_many_rows_of_quantized_layers_go_to_the_kernel_or_to_torchs_gemm_in_the_measured_dtype():
+    x = torch.randn(cpu_gemv.MAX_ROWS + 3, 128).bfloat16()
+    for layer, w in quantized_layers():
         ours = installed(layer)
-        exact = x[:, :w.size(1)].double() @ w.double().T
+        exact = x.double() @ w.double().T
         assert isinstance(ours, (cpu_gemv.GemvInt8, cpu_gemv.GemvInt4))
-        for kernel_prefill in ([False, True] if isinstance(ours, cpu_gemv.GemvInt4) else [False]):
-            ours.kernel_prefill = kernel_prefill  # both int4 paths: dequantized for torch's GEMM, and the kernel
-            assert ((ours(x[:, :w.size(1)]).double() - exact).norm() / exact.norm()).item() < 1e-2
+        for kernel_prefill in (False, True):  # the weight converted for torch's GEMM, and the kernel
+            ours.kernel_prefill = kernel_prefill
+            assert ((ours(x).double() - exact).norm() / exact.norm()).item() < 1e-2
 
 
-def test_int4_prefill_takes_the_path_measured_faster_here(monkeypatch):
-    int4 = quantize.Int4Linear(128, 48, 64)
-    q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 128), 64)
-    int4.weight = quantize.pack_nibbles(q)
-    for faster in (True, False):
-        monkeypatch.setattr(cpu_gemv, "prefill_int4", lambda n, k, groupsize, dtype: faster)
-        ours = installed(int4)
-        assert ours.kernel_prefill is faster
-        assert ("int4 prefill in the kernels" in cpu_gemv.describe(nn.Sequential(ours))) is faster
+def test_quantized_prefill_takes_the_path_measured_faster_here(monkeypatch):
+    for (layer, _), kind in zip(quantized_layers(), ("int8", "int4")):
+        for faster in (True, False):
+            monkeypatch.setattr(cpu_gemv, "prefill_in_kernel", lambda layer, dtype: faster)
+            ours = installed(layer)
+            assert ours.kernel_prefill is faster
+            assert (f"{kind} prefill in the kernels" in cpu_gemv.describe(nn.Sequential(ours))) is faster
+
+
+def test_the_prefill_measurement_times_both_paths_once_and_keeps_the_verdict(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "CACHE", tmp_path)
+    ours = installed(quantized_layers()[1][0])
+    first = cpu_gemv.prefill_in_kernel(ours, torch.float32)
+    verdicts = json.loads((tmp_path / "prefill_dtype.json").read_text())
+    [key] = [k for k in verdicts if "int4 groups of 64" in k]
+    assert verdicts[key] == ("kernel" if first else "torch")
+    verdicts[key] = "torch" if first else "kernel"  # the opposite verdict, to see that the next call reads it
+    (tmp_path / "prefill_dtype.json").write_text(json.dumps(verdicts))
+    assert cpu_gemv.prefill_in_kernel(ours, torch.float32) is not first
 
 
 @torch.no_grad()
