@@ -66,6 +66,10 @@ static inline float hsum8(__m256 v) {
 static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
 static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
 
+// the weights 1 KB ahead of p, asked for now: with the hardware prefetcher alone a core's one stream of rows read
+// 10-15% slower (measured on the bf16 product). Called once per 64 bytes read, or per 32.
+static inline void ahead(const void* p) { _mm_prefetch((const char*)p + 1024, _MM_HINT_T0); }
+
 static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -85,12 +89,14 @@ static inline float dot(const float* x, const uint16_t* w, int64_t K) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     int64_t k = 0;
-    for (; k + 64 <= K; k += 64)
+    for (; k + 64 <= K; k += 64) {
+        ahead(w + k), ahead(w + k + 32);
         for (int c = 0; c < 4; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i*)(w + k + 16 * c));
             a[2 * c] = _mm256_fmadd_ps(lo(v), _mm256_loadu_ps(x + k + 16 * c), a[2 * c]);
             a[2 * c + 1] = _mm256_fmadd_ps(hi(v), _mm256_loadu_ps(x + k + 16 * c + 8), a[2 * c + 1]);
         }
+    }
     for (; k < K; k += 16) {
         __m256i v = _mm256_loadu_si256((const __m256i*)(w + k));
         a[0] = _mm256_fmadd_ps(lo(v), _mm256_loadu_ps(x + k), a[0]);
@@ -168,6 +174,7 @@ static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd, XQ& 
 static inline float dot_i8(const XQ& p, const int8_t* w, int64_t K) {
     __m256 total = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
+        ahead(w + k);
         __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), x = _mm256_loadu_si256((const __m256i*)&p.q[k]);
         __m256i a = _mm256_sign_epi8(v, v), sx = _mm256_sign_epi8(x, v);
 #ifdef __AVX512VNNI__
@@ -208,6 +215,7 @@ static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales
             const int8_t* xg = &p.q[g * G];
             __m256i acc = _mm256_setzero_si256();
             for (int j = 0; j < G / 64; j++) {  // 64 weights per step; unrolled, G being a constant
+                ahead(wg + 32 * j);
                 __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 32 * j));
                 __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
                 __m256i xe = _mm256_loadu_si256((const __m256i*)(xg + 64 * j));
