@@ -15,7 +15,8 @@ through torch ops written in C++ (GLUE, built against this torch), so that torch
 and calls them with no Python in between. install(model) replaces a bf16 model's
 linear layers (and quantize.py's int8 and int4 layers, recognised by their tensors) with layers that send products
 of few rows here. Products of many rows (prefill) go to torch's GEMM, in bf16 or in fp32, whichever a measurement
-on this machine found faster. Without a compiler or a known instruction set, one line on stderr says so and torch's
+on this machine found faster; those of int8 and int4 layers to their kernel instead, in tiles, where that measured
+faster still. Without a compiler or a known instruction set, one line on stderr says so and torch's
 kernels stay."""
 import ctypes
 import hashlib
@@ -497,31 +498,23 @@ struct Stream {
     }
 };
 
-// s[r * ld + t] = q_r . k_t for RT (1 to 4) query rows (D apart, each 16 dimensions in the order the unpacks below
-// give: 0-3, 8-11, 4-7, 12-15) and 2 positions of bf16 K (D apart): K is widened in registers by unpacking it
-// under zeros, each vector serving RT rows, instead of through an fp32 copy
-template <int D, int RT>
-static inline void qk_tile16(const float* q, const uint16_t* k, float* s, int64_t ld) {
+// s[r] = q_r . k for 8 query rows (D apart, each 16 dimensions in the order the unpacks below give: 0-3, 8-11,
+// 4-7, 12-15) and one position of bf16 K: K is widened in registers by unpacking it under zeros, each vector
+// serving the 8 rows, and the 8 sums come out as one vector, a position's scores for the 8 rows
+template <int D>
+static inline void qk_col8(const float* q, const uint16_t* k, float* s) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 16) {
-        __m256 kv[4];
-        for (int t = 0; t < 2; t++) {
-            __m256i w = _mm256_loadu_si256((const __m256i*)(k + t * D + d));
-            kv[2 * t] = lo(w), kv[2 * t + 1] = hi(w);
-        }
-        for (int r = 0; r < RT; r++) {
-            __m256 q0 = _mm256_loadu_ps(q + r * D + d), q1 = _mm256_loadu_ps(q + r * D + d + 8);
-            for (int t = 0; t < 2; t++)
-                a[2 * r + t] = _mm256_fmadd_ps(q1, kv[2 * t + 1], _mm256_fmadd_ps(q0, kv[2 * t], a[2 * r + t]));
-        }
+        __m256i w = _mm256_loadu_si256((const __m256i*)(k + d));
+        __m256 k0 = lo(w), k1 = hi(w);
+        for (int r = 0; r < 8; r++)
+            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), k1, _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k0, a[r]));
     }
-    alignas(32) float sum[8];
-    _mm256_store_ps(sum, sum8x8(a));  // lane 2r + t: row r, position t
-    for (int r = 0; r < RT; r++) s[r * ld] = sum[2 * r], s[r * ld + 1] = sum[2 * r + 1];
+    _mm256_storeu_ps(s, sum8x8(a));
 }
 
-// o_r += sum_j p_r[j] v_j for RT (1 to 4) rows (p ld apart, o D + 2 apart, o's dimensions in qk_tile16's order)
+// o_r += sum_j p[j][r] v_j for RT (1 to 4) rows (p's positions ld apart, o D + 2 apart, o's dimensions in qk_col8's order)
 // over n positions of bf16 V (D apart), 16 dimensions at a time: each V vector unpacked serves RT rows
 template <int D, int RT>
 static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int64_t n, float* o) {
@@ -533,7 +526,7 @@ static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int6
             __m256i w = _mm256_loadu_si256((const __m256i*)(v + j * D + d));
             __m256 v0 = lo(w), v1 = hi(w);
             for (int r = 0; r < RT; r++) {
-                __m256 pj = _mm256_broadcast_ss(p + r * ld + j);
+                __m256 pj = _mm256_broadcast_ss(p + j * ld + r);
                 acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
             }
         }
@@ -546,7 +539,7 @@ static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int6
 // head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
 // and the unnormalized output (D values, in16 order) to part [R][D + 2]. Only the span of positions some row
 // attends is read (a short context in a longer cache skips the rest), in blocks of 8 KB that stay in L1 while the
-// rows, four at a time, go over them, widening bf16 in registers. At 4k positions, an fp32 copy of each block took
+// rows go over them (8 at a time for the scores, 4 for the weighted sum), widening bf16 in registers. At 4k positions, an fp32 copy of each block took
 // 28% longer, and leaving the reads to the hardware prefetcher 20% longer.
 template <int D>
 static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
@@ -566,71 +559,54 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
         for (int d = 0; d < D; d++) part[r * (D + 2) + 2 + d] = 0.f;
     }
     if (lo >= hi) return;
-    const int64_t n = hi - lo, n8 = (n + 7) / 8 * 8;
-    sc.resize(R * n8);
+    const int64_t n = hi - lo, R8 = (R + 7) / 8 * 8;  // scores [n][R8]: rows past R are padding (q's zero rows)
+    sc.resize(n * R8);
     // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
     // blocks of K (the same thread's next task, mostly) during the weighted sum
-    const int64_t tiles = (R + 3) / 4 * ((n + 1) / 2), ahead = 2 * BJ < n ? 2 * BJ : n;
+    const int64_t cols = R8 / 8 * n, ahead = 2 * BJ < n ? 2 * BJ : n;
     for (Stream first(k + lo * D, ahead * D * 2, 1); first.p < first.end;) first.step();
-    Stream ks(k + (lo + ahead) * D, (n - ahead) * D * 2, tiles), vs(v + lo * D, n * D * 2, tiles);
+    Stream ks(k + (lo + ahead) * D, (n - ahead) * D * 2, cols), vs(v + lo * D, n * D * 2, cols);
     for (int64_t b = 0; b < n; b += BJ)  // scores: a block of K stays in L1 for every row
-        for (int64_t r = 0; r < R; r += 4)
-            for (int64_t j = b; j < b + BJ && j < n; j += 2) {
-                const uint16_t* kj = k + (lo + j) * D;
-                alignas(32) uint16_t pair[2 * D];  // the last position alone: a zero row after it
-                if (j + 1 == n) {
-                    for (int d = 0; d < D; d++) pair[d] = kj[d], pair[D + d] = 0;
-                    kj = pair;
-                }
-                switch (R - r < 4 ? R - r : 4) {
-                    case 4: qk_tile16<D, 4>(qf + r * D, kj, &sc[r * n8 + j], n8); break;
-                    case 3: qk_tile16<D, 3>(qf + r * D, kj, &sc[r * n8 + j], n8); break;
-                    case 2: qk_tile16<D, 2>(qf + r * D, kj, &sc[r * n8 + j], n8); break;
-                    default: qk_tile16<D, 1>(qf + r * D, kj, &sc[r * n8 + j], n8);
-                }
+        for (int64_t r = 0; r < R8; r += 8)
+            for (int64_t j = b; j < b + BJ && j < n; j++) {
+                qk_col8<D>(qf + r * D, k + (lo + j) * D, &sc[j * R8 + r]);
                 ks.step(), vs.step();
             }
+    bool all = true;  // every row sees the whole span: no masking (a decode step's chunks but maybe the last)
+    for (int64_t s = 0; s < S && all; s++)
+        for (int64_t j = lo; j < hi && all; j++) all = mask[s * L + j] != 0;
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int64_t r = 0; r < R; r++) {  // masked to -inf, then e^(s - m)
-        const uint8_t* mr = mask + (r % S) * L + lo;
-        float* s = &sc[r * n8];
-        __m256 mx = ninf;
-        for (int64_t j = 0; j < n8; j += 8) {
-            __m256i m8;  // the mask's 8 bytes (none past the span): attend where nonzero
-            if (j + 8 <= n) m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(mr + j)));
-            else {
-                alignas(32) int32_t t8[8];
-                for (int t = 0; t < 8; t++) t8[t] = j + t < n ? mr[j + t] : 0;
-                m8 = _mm256_load_si256((const __m256i*)t8);
-            }
-            __m256 off = _mm256_castsi256_ps(_mm256_cmpeq_epi32(m8, _mm256_setzero_si256()));
-            __m256 st = _mm256_blendv_ps(_mm256_loadu_ps(s + j), ninf, off);
-            _mm256_storeu_ps(s + j, st);
-            mx = _mm256_max_ps(mx, st);
-        }
-        float m = hmax8(mx);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n8; j += 8) {
-            __m256 p = m == -INFINITY ? _mm256_setzero_ps() : exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-            _mm256_storeu_ps(s + j, p);
+    for (int64_t r = 0; r < R8; r += 8) {  // masked to -inf, then e^(s - m): 8 rows at a time
+        if (!all)
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t t = r; t < r + 8 && t < R; t++)
+                    if (!mask[(t % S) * L + lo + j]) sc[j * R8 + t] = -INFINITY;
+        __m256 mx = ninf, sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(&sc[j * R8 + r]));
+        // a row that sees nothing here: m stays -inf for the merge, and its weights come out 0
+        __m256 m = _mm256_blendv_ps(mx, _mm256_setzero_ps(), _mm256_cmp_ps(mx, ninf, _CMP_EQ_OQ));
+        for (int64_t j = 0; j < n; j++) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[j * R8 + r]), m));
+            _mm256_storeu_ps(&sc[j * R8 + r], p);
             sum = _mm256_add_ps(sum, p);
         }
-        part[r * (D + 2)] = m;
-        part[r * (D + 2) + 1] = hsum8(sum);
+        alignas(32) float mv[8], lv[8];
+        _mm256_store_ps(mv, mx), _mm256_store_ps(lv, sum);
+        for (int64_t t = 0; t < 8 && r + t < R; t++) part[(r + t) * (D + 2)] = mv[t], part[(r + t) * (D + 2) + 1] = lv[t];
     }
     const int64_t next = L - j1 < 2 * BJ ? L - j1 : 2 * BJ;
     Stream ns(k + j1 * D, next * D * 2, (n + BJ - 1) / BJ * ((R + 3) / 4));
     for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
         for (int64_t r = 0; r < R; r += 4) {
-            const float* p = &sc[r * n8 + b];
+            const float* p = &sc[b * R8 + r];
             const uint16_t* vb = v + (lo + b) * D;
             const int64_t nb = BJ < n - b ? BJ : n - b;
             float* o = part + r * (D + 2) + 2;
             switch (R - r < 4 ? R - r : 4) {
-                case 4: pv_tile16<D, 4>(p, n8, vb, nb, o); break;
-                case 3: pv_tile16<D, 3>(p, n8, vb, nb, o); break;
-                case 2: pv_tile16<D, 2>(p, n8, vb, nb, o); break;
-                default: pv_tile16<D, 1>(p, n8, vb, nb, o);
+                case 4: pv_tile16<D, 4>(p, R8, vb, nb, o); break;
+                case 3: pv_tile16<D, 3>(p, R8, vb, nb, o); break;
+                case 2: pv_tile16<D, 2>(p, R8, vb, nb, o); break;
+                default: pv_tile16<D, 1>(p, R8, vb, nb, o);
             }
             ns.step();
         }
@@ -646,7 +622,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
     // there a thread_local name would be each worker's own
     static thread_local std::vector<float> qf_, parts_;
-    qf_.resize(B * H * S * D); parts_.resize(tasks * R * (D + 2));
+    qf_.assign(B * H * S * D + 8 * D, 0.f); parts_.resize(tasks * R * (D + 2));  // 8 zero rows: padding
     float *qf = qf_.data(), *parts = parts_.data();
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < B * H * S * D; i++) qf[in16(i)] = from_bf16(q[i]) * scale;
