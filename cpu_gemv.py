@@ -256,7 +256,8 @@ static inline void tile_i8(const XQ* xr[2], const int8_t* wr[2], int64_t K, floa
         for (int b = 0; b < 2; b++) acc[a][b] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         __m256i v[2], av[2];
-        for (int b = 0; b < 2; b++) v[b] = _mm256_loadu_si256((const __m256i*)(wr[b] + k)), av[b] = _mm256_sign_epi8(v[b], v[b]);
+        for (int b = 0; b < 2; b++)
+            v[b] = _mm256_loadu_si256((const __m256i*)(wr[b] + k)), av[b] = _mm256_sign_epi8(v[b], v[b]);
         for (int a = 0; a < 2; a++) {
             __m256i x = _mm256_loadu_si256((const __m256i*)&xr[a]->q[k]);
             __m256 d = _mm256_broadcast_ss(&xr[a]->d[k / 32]);
@@ -289,7 +290,8 @@ static void gemm_i8(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* 
                 float o[2][2];
                 tile_i8(xr, wr, K, o);
                 for (int a = 0; a < 2 && m + a < M; a++)
-                    for (int b = 0; b < 2 && n + b < N; b++) put(y, (m + a) * N + n + b, o[a][b] * from_bf16(scales[n + b]), f32);
+                    for (int b = 0; b < 2 && n + b < N; b++)
+                        put(y, (m + a) * N + n + b, o[a][b] * from_bf16(scales[n + b]), f32);
             }
 }
 
@@ -340,8 +342,9 @@ static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* p
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         for (int a = 0; a < 2; a++)  // zero * sum x - 8 scale * c, 8 groups at once: added lane by lane, as the rest
             for (int b = 0; b < 2; b++) {
-                acc[a][b] = _mm256_fmadd_ps(_mm256_loadu_ps(per[b][2] + g0), _mm256_loadu_ps(&xr[a]->sum[g0]), acc[a][b]);
-                acc[a][b] = _mm256_fnmadd_ps(_mm256_loadu_ps(per[b][1] + g0), _mm256_loadu_ps(&xr[a]->c[g0]), acc[a][b]);
+                __m256 z = _mm256_loadu_ps(per[b][2] + g0), s8 = _mm256_loadu_ps(per[b][1] + g0);
+                acc[a][b] = _mm256_fmadd_ps(z, _mm256_loadu_ps(&xr[a]->sum[g0]), acc[a][b]);
+                acc[a][b] = _mm256_fnmadd_ps(s8, _mm256_loadu_ps(&xr[a]->c[g0]), acc[a][b]);
             }
         for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
             __m256i p[2][2];
@@ -355,7 +358,8 @@ static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* p
                 }
                 for (int a = 0; a < 2; a++) {
                     const int8_t* xg = &xr[a]->q[g * G + 64 * j];
-                    __m256i xe = _mm256_loadu_si256((const __m256i*)xg), xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
+                    __m256i xe = _mm256_loadu_si256((const __m256i*)xg);
+                    __m256i xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
                     for (int b = 0; b < 2; b++)
 #ifdef __AVX512VNNI__
                         p[a][b] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p[a][b], lo[b], xe), hi[b], xo);
@@ -370,7 +374,8 @@ static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* p
 #ifndef __AVX512VNNI__
                     p[a][b] = _mm256_madd_epi16(p[a][b], _mm256_set1_epi16(1));
 #endif
-                    acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[a][b]), _mm256_set1_ps(per[b][0][g] * xr[a]->d[g]), acc[a][b]);
+                    __m256 sd = _mm256_set1_ps(per[b][0][g] * xr[a]->d[g]);
+                    acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[a][b]), sd, acc[a][b]);
                 }
         }
     }
@@ -492,7 +497,8 @@ struct Stream {
     const char *p, *end;
     int64_t per_step;
     Stream(const void* from, int64_t bytes, int64_t steps)
-        : p((const char*)from), end((const char*)from + bytes), per_step((bytes / 64 + steps - 1) / (steps > 0 ? steps : 1)) {}
+        : p((const char*)from), end((const char*)from + bytes),
+          per_step((bytes / 64 + steps - 1) / (steps > 0 ? steps : 1)) {}
     void step() {
         for (int64_t i = 0; i < per_step && p < end; i++, p += 64) _mm_prefetch(p, _MM_HINT_T1);
     }
@@ -509,13 +515,14 @@ static inline void qk_col8(const float* q, const uint16_t* k, float* s) {
         __m256i w = _mm256_loadu_si256((const __m256i*)(k + d));
         __m256 k0 = lo(w), k1 = hi(w);
         for (int r = 0; r < 8; r++)
-            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), k1, _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k0, a[r]));
+            a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), k1,
+                                   _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k0, a[r]));
     }
     _mm256_storeu_ps(s, sum8x8(a));
 }
 
-// o_r += sum_j p[j][r] v_j for RT (1 to 4) rows (p's positions ld apart, o D + 2 apart, o's dimensions in qk_col8's order)
-// over n positions of bf16 V (D apart), 16 dimensions at a time: each V vector unpacked serves RT rows
+// o_r += sum_j p[j][r] v_j for RT (1 to 4) rows (p's positions ld apart, o D + 2 apart, o's dimensions in qk_col8's
+// order) over n positions of bf16 V (D apart), 16 dimensions at a time: each V vector unpacked serves RT rows
 template <int D, int RT>
 static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int64_t n, float* o) {
     for (int d = 0; d < D; d += 16) {
@@ -539,8 +546,8 @@ static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int6
 // head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
 // and the unnormalized output (D values, in16 order) to part [R][D + 2]. Only the span of positions some row
 // attends is read (a short context in a longer cache skips the rest), in blocks of 8 KB that stay in L1 while the
-// rows go over them (8 at a time for the scores, 4 for the weighted sum), widening bf16 in registers. At 4k positions, an fp32 copy of each block took
-// 28% longer, and leaving the reads to the hardware prefetcher 20% longer.
+// rows go over them (8 at a time for the scores, 4 for the weighted sum), widening bf16 in registers. At 4k
+// positions, an fp32 copy of each block took 28% longer, and leaving the reads to the hardware prefetcher 20% longer.
 template <int D>
 static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
                          int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
@@ -563,9 +570,9 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
     sc.resize(n * R8);
     // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
     // blocks of K (the same thread's next task, mostly) during the weighted sum
-    const int64_t cols = R8 / 8 * n, ahead = 2 * BJ < n ? 2 * BJ : n;
-    for (Stream first(k + lo * D, ahead * D * 2, 1); first.p < first.end;) first.step();
-    Stream ks(k + (lo + ahead) * D, (n - ahead) * D * 2, cols), vs(v + lo * D, n * D * 2, cols);
+    const int64_t cols = R8 / 8 * n, early = 2 * BJ < n ? 2 * BJ : n;  // the first two blocks, asked for at once
+    for (Stream first(k + lo * D, early * D * 2, 1); first.p < first.end;) first.step();
+    Stream ks(k + (lo + early) * D, (n - early) * D * 2, cols), vs(v + lo * D, n * D * 2, cols);
     for (int64_t b = 0; b < n; b += BJ)  // scores: a block of K stays in L1 for every row
         for (int64_t r = 0; r < R8; r += 8)
             for (int64_t j = b; j < b + BJ && j < n; j++) {
@@ -592,7 +599,8 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
         }
         alignas(32) float mv[8], lv[8];
         _mm256_store_ps(mv, mx), _mm256_store_ps(lv, sum);
-        for (int64_t t = 0; t < 8 && r + t < R; t++) part[(r + t) * (D + 2)] = mv[t], part[(r + t) * (D + 2) + 1] = lv[t];
+        for (int64_t t = 0; t < 8 && r + t < R; t++)
+            part[(r + t) * (D + 2)] = mv[t], part[(r + t) * (D + 2) + 1] = lv[t];
     }
     const int64_t next = L - j1 < 2 * BJ ? L - j1 : 2 * BJ;
     Stream ns(k + j1 * D, next * D * 2, (n + BJ - 1) / BJ * ((R + 3) / 4));
@@ -957,7 +965,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
 
 
-# ---- prefill: bf16 or fp32, measured -------------------------------------------------------------------------------
+# ---- prefill: bf16, fp32 or the kernels, measured -----------------------------------------------------------------
 
 def fastest(what: str, candidates: dict) -> str:
     """The name of the fastest of the candidates (callables, each run three times: a warm-up, then the better of

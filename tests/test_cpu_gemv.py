@@ -116,7 +116,8 @@ def quantized_layers():  # int8 and int4 layers of 48 x 128, and their weights d
     int4 = quantize.Int4Linear(128, 48, 64)
     q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 128), 64)
     int4.weight = quantize.pack_nibbles(q)
-    return (int8, quantize.dequantize_int8(int8.weight, int8.scales)), (int4, quantize.dequantize_int4(q, int4.scales, int4.zeros))
+    return ((int8, quantize.dequantize_int8(int8.weight, int8.scales)),
+            (int4, quantize.dequantize_int4(q, int4.scales, int4.zeros)))
 
 
 @torch.no_grad()
