@@ -58,7 +58,8 @@ def fit_context(chat: Conversation, tokenizer, user: str, room: int) -> tuple[li
 
 def answer(chat: Conversation, user: str, tokenizer, model, loop, args, out) -> Optional[dict]:
     """One turn: prompt, reply (streamed to `out` if given), figures. None if the message cannot fit."""
-    room = model.max_seq_length - args.max_new_tokens - (args.speculate_k + 1 if args.prompt_lookup else 0)
+    guess = args.speculate_k + 1 if args.prompt_lookup else args.max_nodes if args.suffix else 0  # a round's slots
+    room = model.max_seq_length - args.max_new_tokens - guess
     ids, dropped = fit_context(chat, tokenizer, user, room)
     if dropped:
         print(f"(the context of {model.max_seq_length} tokens is full: dropped the oldest {dropped} exchange"
@@ -148,10 +149,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="speculate by looking the last N "
                    "tokens up in the conversation (good when replies quote it)")
     p.add_argument("--speculate_k", type=cli.positive_int, default=8, help="with --prompt_lookup: tokens per guess")
+    p.add_argument("--suffix", action="store_true", help="speculate with the most frequent continuations of the "
+                   "conversation's earlier text, from a suffix trie kept across turns")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write each turn's prefill_tokens, "
                    "new_tokens, ttft_ms and decode_tokens_per_sec as JSON, after every turn")
     generate.add_guided_options(p)
-    p.set_defaults(draft_checkpoint_path=None, fixed_k=False)
+    p.set_defaults(draft_checkpoint_path=None, fixed_k=False, tree=False, max_nodes=32)
     return cli.one_line_errors(p)
 
 
@@ -193,6 +196,10 @@ def main(argv=None):
     args.guides = ([guided.any_json()] if args.json else []) + (args.guides or [])
     if len(args.guides) > 1:
         raise ValueError("give one of --json_schema, --json, --regex or --grammar: every reply matches it")
+    if args.suffix and args.prompt_lookup:
+        raise ValueError("use --suffix or --prompt_lookup, not both")
+    if args.suffix and args.guides:
+        raise ValueError("--suffix does not support guided generation; use --prompt_lookup")
     cli.check_output_file(args.metrics_json, "--metrics_json", '"turns"')
     interactive = sys.stdin.isatty()
     model, tokenizer, loop = load(args)

@@ -138,6 +138,7 @@ class Generation:
     accept_histogram: Optional[list[int]] = None  # speculative: [j] = verify passes that kept j proposals
     forced: Optional[int] = None  # guided: new tokens the grammar forced (fed by fast-forward)
     incomplete: list[int] = field(default_factory=list)  # guided: rows cut by max_new_tokens mid-grammar
+    tree_sizes: Optional[dict] = None  # token trees: nodes verified per pass -> passes
 
     def metrics(self, weight_bytes: int) -> dict:
         """The figures generate.py prints and --metrics_json writes; speculation's are None for plain decoding."""
@@ -157,7 +158,8 @@ class Generation:
                 "mean_drafted": self.drafted / rounds if rounds else None,
                 "acceptance_rate": kept / self.drafted if self.drafted else None,
                 "accept_histogram": self.accept_histogram,
-                "forced_tokens": self.forced}
+                "forced_tokens": self.forced,
+                "tree_sizes": self.tree_sizes}
 
 
 STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only every few steps, as each look syncs
@@ -511,6 +513,9 @@ def print_summary(m: dict):
         print(f"Speculative: {m['target_forwards']} target forwards | mean drafted / accepted per verify: "
               f"{m['mean_drafted']:.2f} / {m['mean_accepted']:.2f} | acceptance rate: {m['acceptance_rate']:.1%}")
         print(f"Accepted proposals per verify (histogram, 0..k): {m['accept_histogram']}")
+    if m.get("tree_sizes"):
+        print("Tree size per verify, chosen by measured cost (nodes: passes): "
+              + ", ".join(f"{n}: {c}" for n, c in m["tree_sizes"].items()))
     if m["forced_tokens"] is not None:
         print(f"Guided: {m['forced_tokens']:.0f} new tokens forced by the grammar (fed by fast-forward), "
               f"{m['target_forwards']:.0f} forward passes")

@@ -270,7 +270,8 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
     def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None,
-                kv_len: Optional[int] = None, last: bool = False) -> Tensor:
+                kv_len: Optional[int] = None, last: bool = False, tree_mask: Optional[Tensor] = None,
+                tree_pos: Optional[Tensor] = None) -> Tensor:
         """idx [B, S] token ids -> logits [B, S, vocab].
 
         With input_pos [S] (cache slots), attend through the KV cache; left_pad [B] counts each row's leading pad
@@ -278,7 +279,10 @@ class Transformer(nn.Module):
         kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
         cache slots (see kv_bucket). The default is the whole cache.
         Without input_pos, run causal (and sliding-window) attention over idx and touch no cache (training,
-        perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others)."""
+        perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others).
+        tree_mask [S, kv_len] bool and tree_pos [S] (a token tree, batch 1; see trees.py): the cache slots each token
+        sees and its RoPE position, in place of the causal mask and input_pos; the tokens are still written at
+        input_pos."""
         if input_pos is None:
             S = idx.size(1)
             freqs_cis = precompute_freqs_cis(S, self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
@@ -289,9 +293,11 @@ class Transformer(nn.Module):
         else:
             if self.freqs_cis is None:
                 raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
-            pos = input_pos[None] if left_pad is None else (input_pos[None] - left_pad[:, None]).clamp(min=0)
+            pos = input_pos if tree_pos is None else tree_pos
+            pos = pos[None] if left_pad is None else (pos[None] - left_pad[:, None]).clamp(min=0)
             freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
-            mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length)
+            mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length) if tree_mask is None \
+                else tree_mask[None, None]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, freqs_cis, mask, input_pos)

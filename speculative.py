@@ -74,6 +74,21 @@ def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Ste
     return Steps(first(prefill), step(draft_step), step(verify), first(decode_logits), step(pick))
 
 
+def reserve(models: list, T: int, max_new_tokens: int, extra: int, what: str, cached: int) -> int:
+    """Set up each model's cache (None: skip) for the prompt, the new tokens and `extra` slots that a round writes
+    past them (`what`, for the error), unless it holds them already; the length."""
+    length = T + max_new_tokens + extra
+    for m in [m for m in models if m is not None]:
+        if length > m.args.block_size:
+            raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds the maximum "
+                             f"sequence length {m.args.block_size}")
+        if m.max_batch_size < 1 or m.max_seq_length < length:
+            if cached:
+                raise ValueError(f"cached tokens need a cache set up to hold the prompt, the new tokens and {what}")
+            m.setup_caches(1, length)
+    return length
+
+
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
     """Keep proposal i with probability min(1, p_i(x) / q_i(x)) until the first rejection; replace the rejected one
     by a draw from the residual max(0, p - q), normalized; if all m are kept, add a bonus draw from p.
@@ -156,15 +171,8 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     if (draft is None) == (ngram is None):
         raise ValueError("speculation needs exactly one proposer: a draft model or prompt lookup")
     device, T = model.tok_embeddings.weight.device, len(prompt)
-    length = T + max_new_tokens + k + 1  # a verify pass writes up to k + 1 cache slots past the last kept token
-    for m in (model, draft) if draft is not None else (model,):
-        if length > m.args.block_size:
-            raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + speculate_k ({k}) + 1 "
-                             f"exceeds the maximum sequence length {m.args.block_size}")
-        if m.max_batch_size < 1 or m.max_seq_length < length:
-            if cached:
-                raise ValueError("cached tokens need a cache set up to hold the prompt, the new tokens and k + 1")
-            m.setup_caches(1, length)
+    # a verify pass writes up to k + 1 cache slots past the last kept token
+    length = reserve([model, draft], T, max_new_tokens, k + 1, f"speculate_k ({k}) + 1", cached)
     rule = Threshold() if adaptive and draft is not None else None
     slots = torch.arange(length, device=device)  # positions are slices of this: no allocation or copy per step
     proposed = torch.zeros(k, dtype=torch.long, device=device)  # compiled steps reuse their outputs: copy them out
@@ -281,11 +289,20 @@ def speculative_loop(args, model: Transformer, prompts: list[list[int]], paralle
                      **sampling) -> Callable:
     """generate.run's loop: (eos_ids, callback, stop, cached, prompts) -> Generation. Without a proposer, plain decoding. Under tensor
     parallelism the draft is replicated on every rank."""
-    if not (args.draft_checkpoint_path or args.prompt_lookup):
+    if not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix):
         return generate.plain_loop(args, model, prompts, parallel, guide, **sampling)
     device = model.tok_embeddings.weight.device
     draft = load_draft(args.draft_checkpoint_path, checkpoint_files(args.checkpoint_path)[0], model, device,
                        model.norm.weight.dtype, args.cpu_kernels) if args.draft_checkpoint_path else None
+    if args.tree or args.suffix:  # one proposer and one set of measured costs for every call: chat turns share them
+        if parallel:  # each rank would choose the tree's size from its own timings
+            raise ValueError("--tree and --suffix are not supported with tensor parallelism")
+        import trees
+        steps, sizer = trees.build_steps(args.compile, args.compile_prefill), trees.Sizer()
+        proposer = trees.DraftTree(draft, steps.draft) if args.tree else trees.Suffix()
+        return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: trees.tree_generate(
+            model, prompts[0], args.max_new_tokens, proposer, args.max_nodes, eos_ids, callback, steps, stop, cached,
+            sizer, **sampling)
     steps = build_steps(args.compile, args.compile_prefill)
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
     return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: speculative_generate(
@@ -303,6 +320,13 @@ def parser():
     p.add_argument("--speculate_k", type=cli.positive_int, default=5, help="the most tokens proposed per verify pass; a draft "
                    "model stops earlier when it grows unsure (threshold decoding), unless --fixed_k")
     p.add_argument("--fixed_k", action="store_true", help="the draft model always proposes --speculate_k tokens")
+    p.add_argument("--tree", action="store_true", help="with --draft_checkpoint_path: the draft proposes a tree (its "
+                   "top 4 tokens after each node, the likeliest grown further) instead of a chain")
+    p.add_argument("--suffix", action="store_true", help="no draft model: propose a tree of the most frequent "
+                   "continuations of the context's longest earlier match, from all text seen (the prompt, the output "
+                   "and earlier chat turns)")
+    p.add_argument("--max_nodes", type=cli.positive_int, default=32, help="with --tree or --suffix: the most tokens "
+                   "verified per pass; each pass takes the size that measured costs and acceptance so far favour")
     return p
 
 
@@ -312,8 +336,14 @@ def parse_args(argv=None):
     checks = [(not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
                "--prompt_lookup, not both"),
               (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
-              (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup),
-               "speculative decoding supports batch size 1 only")]
+              (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix),
+               "speculative decoding supports batch size 1 only"),
+              (not args.tree or args.draft_checkpoint_path, "--tree needs --draft_checkpoint_path"),
+              (not args.suffix or not (args.draft_checkpoint_path or args.prompt_lookup), "--suffix needs no other "
+               "proposer: use it without --draft_checkpoint_path and --prompt_lookup"),
+              (not (args.tree or args.suffix) or not args.fixed_k, "--fixed_k applies to a chain draft, not a tree"),
+              (not (args.tree or args.suffix) or not args.guides, "token trees do not support guided generation; use "
+               "a chain draft or --prompt_lookup")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cli  # noqa: E402
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
+import trees  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from eval import read_texts, stdlib_files  # noqa: E402
 from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device  # noqa: E402
@@ -31,11 +32,14 @@ DRAFT = DEFAULT_CHECKPOINT.parent / "stdlib-draft"
 KS = (2, 4, 6, 8)
 
 
-def configs(draft, k_max: int, ngram: int) -> dict:  # label -> speculative_generate keywords (None: plain)
+def configs(draft, k_max: int, ngram: int, nodes_max: tuple) -> dict:  # label -> keywords (None: plain)
     rows = {"plain": None}
     rows.update({f"draft, K={k}": dict(k=k, draft=draft) for k in KS})
     rows[f"draft, adaptive K<={k_max}"] = dict(k=k_max, draft=draft, adaptive=True)
     rows[f"prompt lookup, n={ngram}, K<={k_max}"] = dict(k=k_max, ngram=ngram)
+    for nodes in nodes_max:  # tree rows: k is the most nodes; each row keeps its measured verify costs
+        rows[f"draft tree, <={nodes} nodes"] = dict(k=nodes, tree="draft", draft=draft, sizer=trees.Sizer())
+        rows[f"suffix, <={nodes} nodes"] = dict(k=nodes, tree="suffix", sizer=trees.Sizer())
     return rows
 
 
@@ -53,14 +57,20 @@ def prompt_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
             "repetitive": [tokenizer.encode("def fibonacci(n):", bos=True)]}
 
 
-def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_steps) -> tuple[float, dict]:
+def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_steps,
+                tree_steps) -> tuple[float, dict]:
     """Greedy decode tokens/sec after the first token (prefill is the same for every row), and the statistics."""
     if kwargs is None:
         r = gen.generate(model, [prompt], new_tokens, None, steps=steps, temperature=0)
         return r.decode_tokens / r.decode_s, {}
     kw = dict(kwargs)
-    r = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), steps=spec_steps, temperature=0,
-                                         **kw)
+    if "tree" in kw:  # a fresh suffix trie per run: a repeat must not find its own earlier output
+        proposer = trees.DraftTree(kw["draft"], tree_steps.draft) if kw["tree"] == "draft" else trees.Suffix()
+        r = trees.tree_generate(model, prompt, new_tokens, proposer, kw["k"], steps=tree_steps, sizer=kw["sizer"],
+                                temperature=0)
+    else:
+        r = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), steps=spec_steps,
+                                             temperature=0, **kw)
     return r.decode_tokens / r.decode_s, r.metrics(0)
 
 
@@ -98,6 +108,8 @@ def main():
     p.add_argument("--k_max", type=cli.positive_int, default=8, help="the adaptive rule's and prompt lookup's "
                    "largest K")
     p.add_argument("--ngram", type=cli.positive_int, default=3, help="prompt lookup's n-gram")
+    p.add_argument("--nodes", type=cli.positive_int, nargs="+", default=[32], help="the token-tree rows' most nodes "
+                   "per verify pass, one row per value (each pass takes the size its measured costs favour)")
     p.add_argument("--compile", action="store_true", help="compile the steps, as generate.py --compile does")
     p.add_argument("--quick", action="store_true", help="a check that everything runs, in about a minute: one "
                    "prompt per set, 64 prompt tokens, 32 new tokens, one timed run; its figures are rough")
@@ -113,14 +125,15 @@ def main():
     torch.manual_seed(0)
     model, draft = load_model(DEFAULT_CHECKPOINT, device, dtype), load_model(DRAFT, device, dtype)
     sets = prompt_sets(Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model"), args.prompts, args.prompt_tokens)
-    rows = configs(draft, args.k_max, args.ngram)
+    rows = configs(draft, args.k_max, args.ngram, tuple(args.nodes))
     steps, spec_steps = gen.build_steps(args.compile), speculative.build_steps(args.compile)
-    length = args.prompt_tokens + args.new_tokens + args.k_max + 1
+    tree_steps = trees.build_steps(args.compile)
+    length = args.prompt_tokens + args.new_tokens + max(args.k_max + 1, *args.nodes, trees.DraftTree(draft).room)
     for m in (model, draft):
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
     t0 = time.perf_counter()
     for kwargs in rows.values():  # warm-up, and compilation
-        decode_rate(model, sets["held-out code"][0], 16, kwargs, steps, spec_steps)
+        decode_rate(model, sets["held-out code"][0], 16, kwargs, steps, spec_steps, tree_steps)
     compile_s = time.perf_counter() - t0
     # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
     rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
@@ -129,7 +142,7 @@ def main():
         for s, ps in sets.items():
             for i, prompt in enumerate(ps):
                 for label, kwargs in rows.items():
-                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs, steps, spec_steps)
+                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs, steps, spec_steps, tree_steps)
                     rates[s][label][i].append(rate)
                     stats[s][label].append(st)
     costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device, steps, spec_steps)
@@ -144,12 +157,14 @@ def main():
             row = {"tokens_per_sec": len(med) / sum(1 / r for r in med)}
             if kwargs is not None:
                 sts = stats[s][label]
-                hist = [sum(st["accept_histogram"][j] for st in sts) for j in range(kwargs["k"] + 1)]
+                bins = max(len(st["accept_histogram"]) for st in sts)
+                hist = [sum(st["accept_histogram"][j] for st in sts if j < len(st["accept_histogram"]))
+                        for j in range(bins)]
                 rounds, drafted = sum(hist), sum(st["mean_drafted"] * sum(st["accept_histogram"]) for st in sts)
                 kept = sum(j * c for j, c in enumerate(hist))
                 row.update(mean_drafted=drafted / rounds, mean_accepted=kept / rounds,
-                           acceptance_rate=kept / drafted, accept_histogram=hist)
-                if kwargs.get("draft") is not None and not kwargs.get("adaptive"):
+                           acceptance_rate=kept / drafted if drafted else 0.0, accept_histogram=hist)
+                if kwargs.get("draft") is not None and not kwargs.get("adaptive") and "tree" not in kwargs:
                     row["predicted_speedup"] = predicted_speedup(kwargs["k"], hist, costs)
             results["sets"][s][label] = row
         plain = results["sets"][s]["plain"]["tokens_per_sec"]

@@ -48,6 +48,19 @@ def test_prompt_lookup_gives_the_same_greedy_replies(chat_checkpoint):
     assert guessed.stdout == plain.stdout
 
 
+def test_suffix_decoding_gives_the_same_greedy_replies_across_turns(chat_checkpoint):
+    lines = ["def f(x): return x + 1", "def f(x): return x + 1", "and again: def f(x): return x + 1"]
+    plain, _ = chat(chat_checkpoint, lines)
+    guessed, _ = chat(chat_checkpoint, lines, "--suffix")
+    assert guessed.returncode == 0, guessed.stderr
+    assert guessed.stdout == plain.stdout
+
+
+def test_suffix_with_prompt_lookup_is_one_line_of_error(chat_checkpoint):
+    r, _ = chat(chat_checkpoint, ["hi"], "--suffix", "--prompt_lookup", "2")
+    assert r.returncode != 0 and errors_of(r.stderr) == ["error: use --suffix or --prompt_lookup, not both"]
+
+
 def test_compiled_chat_gives_the_same_greedy_replies(chat_checkpoint):
     lines = ["the quick brown fox", "print the value"]
     plain, _ = chat(chat_checkpoint, lines, "--dtype", "float32")  # float32: bf16 rounds differently compiled

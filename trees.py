@@ -1,0 +1,391 @@
+"""Token-tree speculative decoding: a proposer guesses a tree of continuations, the target scores every node in one
+forward pass (each token sees the context and its own ancestors, at the position its depth gives it), and the
+longest path the target agrees with is kept, plus one token of the target's own. A chain of guesses is wasted
+after its first miss; a tree spends the same pass on the alternatives (SpecInfer, Miao et al. 2024; EAGLE-2).
+
+Proposers:
+- Suffix: the most frequent continuations of the context's longest matching suffix, from a suffix trie over all
+  the text seen so far, the prompt and everything generated, across chat turns (SuffixDecoding, Oliaro et al.
+  2024). No draft model; strong where the output repeats earlier text: editing code, quoting a document.
+- DraftTree: a small draft model expanded top-k per level, only the nodes it is most confident in growing further
+  (a dynamic tree, as EAGLE-2): alternatives where the draft hesitates, a long chain where it does not.
+
+Lossless: a node's children are tried in order, each accepted with the target's remaining probability of its token
+and otherwise removed from that distribution (SpecInfer's multi-candidate rule, with deterministic candidates), so
+every emitted token is an exact draw from the target; greedy keeps exactly the target's argmax path.
+
+The tree's size is chosen by cost: a verify pass over n tokens is timed once per size, and each round takes the n
+that maximises expected tokens per second, from the proposer's node scores scaled by how well they have predicted
+acceptance so far."""
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+import generate
+from generate import Generation, compile_prefill, compile_step, device_sync, peak_memory_gb, prefill
+from model import kv_bucket
+from speculative import probs_of, reserve
+
+
+@dataclass
+class Tree:
+    """Node 0 is the root: the last emitted token, not yet in the target's cache. A node's parent comes before it,
+    so its ancestors sit in earlier cache slots. scores[i]: the proposer's estimate that node i is accepted."""
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    scores: list[float] = field(default_factory=lambda: [1.0])
+    kids: list[dict] = field(default_factory=lambda: [{}])
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        if token in self.kids[parent]:  # the same guess twice is one node
+            return self.kids[parent][token]
+        self.tokens.append(token), self.parents.append(parent), self.scores.append(score), self.kids.append({})
+        self.kids[parent][token] = len(self.tokens) - 1
+        return len(self.tokens) - 1
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.tokens)
+        for i in range(1, len(d)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def ancestry(self) -> Tensor:  # [N, N] bool: [i, j] = node j is node i or one of its ancestors
+        a = torch.eye(len(self.tokens), dtype=torch.bool)
+        for i in range(1, len(self.tokens)):
+            a[i] |= a[self.parents[i]]
+        return a
+
+    def best(self, n: int) -> tuple["Tree", list[int]]:
+        """The n best-scored nodes as a tree, and their indices here. A child never outscores its parent and ties
+        go to the earlier node, so the n best include every one's ancestors."""
+        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:n])
+        new, where = Tree([self.tokens[0]]), {0: 0}
+        for i in keep[1:]:
+            where[i] = new.add(where[self.parents[i]], self.tokens[i], self.scores[i])
+        return new, keep
+
+
+def tree_inputs(tree: Tree, base: int, rows: range, kv_len: int, window: int, device) -> tuple[Tensor, Tensor]:
+    """The mask [S, kv_len] and RoPE positions [S] of the tree's nodes `rows`, the tree in slots base, base + 1, ...:
+    each node sees every slot before base (the context) and its ancestors' slots."""
+    n, depth = len(tree.tokens), torch.tensor(tree.depths())
+    mask = torch.zeros(len(rows), kv_len, dtype=torch.bool)
+    mask[:, :base] = True
+    mask[:, base : base + n] = tree.ancestry()[rows.start : rows.stop]
+    pos = base + depth[rows.start : rows.stop]
+    if window:  # a sliding window counts positions, and in a tree those are depths, not slots
+        key = torch.arange(kv_len)
+        key[base : base + n] = base + depth
+        mask &= key > pos[:, None] - window
+    return mask.to(device), pos.to(device)
+
+
+def tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # tokens [1, S] -> probs [S, V]
+    """The distributions after each node; a row whose logits are not finite (a damaged model) comes out NaN."""
+    logits = model(tokens, input_pos, None, kv_len, tree_mask=tree_mask, tree_pos=tree_pos)[0]
+    return torch.where(torch.isfinite(logits.sum(-1, keepdim=True)), probs_of(logits, **sampling), float("nan"))
+
+
+def draft_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # [1, S] -> [S, V]
+    """tree_probs for the draft model: a function of its own, so that compiled it keeps its own graphs."""
+    return tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling)
+
+
+def forward_nodes(model, step: Callable, tree: Tree, base: int, rows: range, slots: Tensor, **sampling) -> Tensor:
+    """Run the tree's nodes `rows` through model, writing their KV at slots base + row: their distributions [S, V]."""
+    device = slots.device
+    kv_len = kv_bucket(base + len(tree.tokens), model.max_seq_length)
+    mask, pos = tree_inputs(tree, base, rows, kv_len, model.args.sliding_window, device)
+    tokens = torch.tensor([tree.tokens[rows.start : rows.stop]], device=device)
+    return step(model, tokens, slots[base + rows.start : base + rows.stop], kv_len, mask, pos, **sampling)
+
+
+def walk(tree: Tree, p: Tensor, greedy: bool) -> tuple[list[int], int]:
+    """The accepted path (node indices from the root) and the target's next token after it. p [N, V]: the target's
+    distribution after each node. Each child of the current node is tried in turn: accepted with the probability
+    the target has left for its token, else that token's mass is removed and the rest renormalized; if no child is
+    accepted the next token is drawn from what is left. That is an exact draw from the target's distribution."""
+    path = [0]
+    if greedy:
+        top = p.argmax(-1).tolist()  # the round's one host sync
+        while top[path[-1]] in tree.kids[path[-1]]:
+            path.append(tree.kids[path[-1]][top[path[-1]]])
+        return path, top[path[-1]]
+    while True:
+        left = p[path[-1]].double()
+        for token, child in tree.kids[path[-1]].items():
+            if float(torch.rand((), dtype=torch.float64)) < float(left[token]):
+                path.append(child)
+                break
+            left[token] = 0.0
+            left = left / left.sum()
+        else:
+            return path, int(generate.draw(left[None].float())[0])
+
+
+def compact(model, base: int, nodes: list[int]):
+    """Move the KV entries of the kept nodes (slots base + nodes, increasing) to slots base, base + 1, ... in place,
+    so that the cache holds the accepted path as if it had been decoded token by token."""
+    if nodes == list(range(len(nodes))):  # a path along the first branch is already in place
+        return
+    device = model.tok_embeddings.weight.device
+    src, dst = torch.tensor(nodes, device=device) + base, torch.arange(len(nodes), device=device) + base
+    for layer in model.layers:
+        for cache in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+            cache[:, :, dst] = cache[:, :, src]
+
+
+# ---- proposers ---------------------------------------------------------------------------------------------------
+
+class Suffix:
+    """A suffix trie over the text seen so far: a node per distinct substring of up to `depth` tokens, with the
+    number of times it occurred. The context's longest suffix (up to `match` tokens) that occurred before with a
+    continuation picks the subtree; its most frequent branches become the tree, scored by their relative frequency.
+    Kept across generations (chat turns): a prompt that extends the text seen so far adds only its new part."""
+
+    def __init__(self, match: int = 8, depth: int = 32):
+        self.match, self.depth = match, depth
+        self.kids, self.count, self.level = [{}], [0], [0]
+        self.open: list[int] = []  # the nodes of the suffixes still shorter than depth, longest first
+        self.seen: list[int] = []
+
+    def extend(self, token: int):
+        grown = []
+        for node in self.open + [0]:
+            child = self.kids[node].get(token)
+            if child is None:
+                child = self.kids[node][token] = len(self.kids)
+                self.kids.append({}), self.count.append(0), self.level.append(self.level[node] + 1)
+            self.count[child] += 1
+            if self.level[child] < self.depth:
+                grown.append(child)
+        self.open = grown
+        self.seen.append(token)
+
+    def observe(self, context: list[int]):
+        """Bring the trie up to context: its new tokens only, when it extends what was seen."""
+        same = 0
+        for a, b in zip(self.seen, context):
+            if a != b:
+                break
+            same += 1
+        if same < len(self.seen):  # another text: its suffixes start afresh, the counts stay
+            self.open, self.seen = [], []
+            same = 0
+        for token in context[same:]:
+            self.extend(token)
+
+    def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
+        self.observe(context)
+        tree = Tree([context[-1]])
+        at = next((n for n in self.open + [0] if self.level[n] <= self.match and self.kids[n] and n), None)
+        if at is None:
+            return tree
+        total = lambda node: sum(self.count[c] for c in self.kids[node].values())  # noqa: E731
+        heap = [(-self.count[c] / total(at), c, 0, token) for token, c in self.kids[at].items()]
+        heapq.heapify(heap)  # best first: (-score, trie node, tree parent, token); a child scores below its parent
+        while heap and len(tree.tokens) < budget:
+            score, node, parent, token = heapq.heappop(heap)
+            i = tree.add(parent, token, -score)
+            for t, c in self.kids[node].items():
+                heapq.heappush(heap, (score * self.count[c] / total(node), c, i, t))
+        return tree
+
+    def accepted(self, kept: list[int]):  # the next propose() reads the new tokens from the context
+        pass
+
+
+class DraftTree:
+    """A draft model grows the tree a level per pass: the top_k tokens after each node of the frontier, of which the
+    `width` the draft is most confident in (the product of its probabilities along the path) form the next frontier,
+    up to `depth` levels. The draft's cache follows the target's: after a round it keeps the accepted path."""
+
+    def __init__(self, draft, step: Callable = draft_probs, top_k: int = 4, width: int = 4, depth: int = 6):
+        self.draft, self.step, self.top_k, self.width, self.depth = draft, step, top_k, width, depth
+        self.cached = 0  # the draft's cache holds the context's first `cached` tokens
+        self.room = 1 + depth * width  # cache slots a round writes past the root, at most
+        self.pass_s = 0.0  # seconds per draft pass over a level
+
+    def start(self, prompt: list[int], cached: int, slots: Tensor, prefill_step: Callable):
+        T = len(prompt)
+        idx = torch.tensor([prompt], device=slots.device)
+        prefill_step(self.draft, idx[:, cached:], slots[cached:T], None, kv_bucket(T, self.draft.max_seq_length))
+        self.cached, self.slots = T, slots
+
+    def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
+        """worth(gain, seconds), if given, decides whether one more level (a draft pass, for the frontier's scores
+        in gain) is worth its time; otherwise the tree grows `depth` levels."""
+        base = len(context) - 1  # the root's slot
+        behind = Tree([context[self.cached]])  # the tokens the draft has not seen, as a chain ending at the root
+        for i, token in enumerate(context[self.cached + 1 :]):
+            behind.add(i, token, 1.0)
+        p = forward_nodes(self.draft, self.step, behind, self.cached, range(len(behind.tokens)), self.slots,
+                          temperature=1.0)[-1:]
+        tree, frontier, leaves = Tree([context[-1]]), [0], []
+        self.base, self.grown = base, {0}  # the nodes the draft has seen: their KV is in its cache
+        for level in range(self.depth):
+            top = p.topk(self.top_k, dim=-1)
+            grown = sorted(((tree.scores[f] * q, f, t) for f, row_p, row_t in zip(frontier, top.values.tolist(),
+                            top.indices.tolist()) for q, t in zip(row_p, row_t)), key=lambda c: -c[0])
+            start = len(tree.tokens)
+            frontier = [tree.add(f, t, s) for s, f, t in grown[: self.width]]  # one block of slots: grown next
+            leaves += grown[self.width :]
+            if level == self.depth - 1 or worth and not worth(sum(s for s, _, _ in grown[: self.width]), self.pass_s):
+                break
+            t = time.perf_counter()
+            p = forward_nodes(self.draft, self.step, tree, base, range(start, len(tree.tokens)), self.slots,
+                              temperature=1.0)
+            self.grown |= set(frontier)
+            self.pass_s = time.perf_counter() - t if not self.pass_s else 0.9 * self.pass_s + 0.1 * (
+                time.perf_counter() - t)
+        for s, f, t in leaves:  # never run by the draft; the round keeps the best-scored nodes of all
+            tree.add(f, t, s)
+        return tree
+
+    def accepted(self, kept: list[int]):
+        """kept: the accepted path as this round's tree indices. The draft keeps the part of it that it has seen."""
+        seen = 0
+        while seen < len(kept) and kept[seen] in self.grown:
+            seen += 1
+        compact(self.draft, self.base, kept[:seen])
+        self.cached = self.base + seen
+
+
+# ---- the tree's size, by cost ------------------------------------------------------------------------------------
+
+@dataclass
+class Sizer:
+    """Chooses how many of the proposer's nodes the target verifies. A verify pass over n nodes costs cost[n]
+    seconds, timed once per size; a round yields 1 + alpha * (the sum of the kept nodes' scores) tokens, where alpha,
+    accepted over predicted so far, calibrates the proposer's scores. Each round takes the n with the most tokens
+    per second, counting the proposer's own time. Where that is n = 1 (plain decoding) but there were guesses, every
+    8th round verifies them anyway, so that a proposer that starts to guess well is noticed."""
+    sizes: tuple = (1, 2, 4, 8, 16, 32, 64)
+    cost: dict = field(default_factory=dict)
+    kept: float = 0.0
+    predicted: float = 0.0
+    propose_s: float = 0.0
+    round_tokens: float = 0.0
+    round_s: float = 0.0
+    passed: int = 0  # rounds that chose plain decoding over the guesses
+
+    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int, **sampling):
+        """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base."""
+        for n in [s for s in self.sizes if s < max_nodes] + [max_nodes]:
+            chain = Tree([0])
+            for i in range(n - 1):
+                chain.add(i, 0, 1.0)
+            times = []
+            for _ in range(3):
+                device_sync(slots.device)
+                t = time.perf_counter()
+                forward_nodes(model, step, chain, base, range(n), slots, **sampling)
+                device_sync(slots.device)
+                times.append(time.perf_counter() - t)
+            self.cost[n] = min(times[1:])
+
+    def alpha(self) -> float:
+        return self.kept / self.predicted if self.predicted else 1.0
+
+    def choose(self, tree: Tree) -> int:
+        scores, n, alpha = sorted(tree.scores[1:], reverse=True), len(tree.tokens), self.alpha()
+        rate = lambda s: (1 + alpha * sum(scores[: min(s, n) - 1])) / (self.propose_s + self.cost[s])  # noqa: E731
+        sizes = sorted(self.cost)
+        best = max(sizes, key=rate)
+        if best == 1 and n > 1:
+            self.passed += 1
+            if self.passed % 8 == 0:
+                best = max(sizes[1:], key=rate)
+        return min(n, best)
+
+    def worth(self, gain: float, seconds: float) -> bool:
+        """Whether spending seconds more on proposing, for gain more expected score, pays at the recent rate."""
+        return not self.round_s or self.alpha() * gain >= self.round_tokens / self.round_s * seconds
+
+    def update(self, tree: Tree, kept: int, propose_s: float, round_s: float):
+        ema = lambda old, new: new if not old else 0.9 * old + 0.1 * new  # noqa: E731
+        if len(tree.tokens) > 1:  # a lone root predicts nothing
+            self.kept, self.predicted = ema(self.kept, kept), ema(self.predicted, sum(tree.scores[1:]))
+        self.propose_s = ema(self.propose_s, propose_s)
+        self.round_tokens, self.round_s = ema(self.round_tokens, kept + 1), ema(self.round_s, round_s)
+
+
+@dataclass(frozen=True)
+class Steps:
+    """The steps the tree loop calls, compiled or not (see generate.Steps)."""
+    prefill: Callable = prefill
+    tree: Callable = tree_probs
+    draft: Callable = draft_probs  # DraftTree's passes
+
+
+def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
+    step = compile_step if compile else (lambda f: f)
+    return Steps(compile_prefill(prefill) if compile_prefill_too else prefill, step(tree_probs), step(draft_probs))
+
+
+@torch.no_grad()
+def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32,
+                  eos_ids=None, callback: Optional[Callable] = None, steps: Steps = Steps(),
+                  stop: Optional[Callable] = None, cached: int = 0, sizer: Optional[Sizer] = None,
+                  **sampling) -> Generation:
+    """Batch-1 generation, each round verifying a tree of up to max_nodes tokens from proposer (Suffix or
+    DraftTree). sizer: keeps the verify costs between calls (they are measured on the first); eos_ids, callback,
+    stop and cached: as generate.generate."""
+    if max_nodes < 1:
+        raise ValueError(f"the tree needs at least 1 node, got {max_nodes}")
+    device, T, draft = model.tok_embeddings.weight.device, len(prompt), getattr(proposer, "draft", None)
+    # a round writes up to max_nodes slots past the last kept token (a draft's own tree may take more of its cache)
+    length = reserve([model, draft], T, max_new_tokens, max(max_nodes, getattr(proposer, "room", 0)),
+                     f"the tree ({max_nodes})", cached)
+    slots = torch.arange(length, device=device)
+    sizer = sizer if sizer is not None else Sizer()
+    greedy = sampling.get("temperature", 0) == 0
+    device_sync(device)
+    t0 = time.perf_counter()
+    idx = torch.tensor([prompt], device=device)
+    cur = int(steps.prefill(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length),
+                            **sampling))
+    if draft is not None:
+        proposer.start(prompt, cached, slots, steps.prefill)
+    device_sync(device)
+    prefill_s = time.perf_counter() - t0
+    if not sizer.cost:  # once, untimed; slots from T on are free until the first round writes them
+        sizer.measure(model, steps.tree, T, slots, max_nodes, **sampling)
+        t0 = time.perf_counter() - prefill_s
+    if cur == generate.NOT_FINITE:
+        raise generate.not_finite(0)
+    out, emitted, accepted, eos, pos, proposed, sizes = [], [cur], [], set(eos_ids or ()), T, 0, {}
+    while True:
+        for token in emitted:
+            out.append(token)
+            if token in eos or len(out) >= max_new_tokens:
+                break
+        if callback is not None:
+            callback(out)
+        if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out) < len(out):
+            break
+        t = time.perf_counter()
+        full = proposer.propose(prompt + out, max_nodes, sizer.worth)
+        tree, kept = full.best(sizer.choose(full))
+        t_verify = time.perf_counter()
+        p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
+        if not bool(torch.isfinite(p).all()):
+            raise generate.not_finite(len(out))
+        path, nxt = walk(tree, p, greedy)
+        compact(model, pos, path)
+        proposer.accepted([kept[i] for i in path])
+        sizer.update(tree, len(path) - 1, t_verify - t, time.perf_counter() - t)
+        accepted += [0] * (len(path) - len(accepted))
+        accepted[len(path) - 1] += 1
+        proposed += len(tree.tokens) - 1
+        sizes[len(tree.tokens)] = sizes.get(len(tree.tokens), 0) + 1
+        emitted = [tree.tokens[i] for i in path[1:]] + [nxt]
+        pos += len(path)
+    device_sync(device)
+    decode_s = time.perf_counter() - t0 - prefill_s
+    return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, len(out) - 1,
+                      sum(accepted), peak_memory_gb(device), proposed, accepted, tree_sizes=dict(sorted(sizes.items())))
