@@ -154,7 +154,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write each turn's prefill_tokens, "
                    "new_tokens, ttft_ms and decode_tokens_per_sec as JSON, after every turn")
     generate.add_guided_options(p)
-    p.set_defaults(draft_checkpoint_path=None, fixed_k=False, tree=False, max_nodes=32)
+    p.set_defaults(draft_checkpoint_path=None, fixed_k=False, tree=False, lookahead=False, max_nodes=32)
     return cli.one_line_errors(p)
 
 

@@ -42,6 +42,15 @@ def logits_to_probs(logits, temperature: float = 1.0, top_k: Optional[int] = Non
     return logits.softmax(-1)
 
 
+def probs_of(logits, temperature: float = 0.0, top_k: Optional[int] = None,
+             top_p: Optional[float] = None):  # [N, V] -> [N, V] float32
+    """The distribution a token is drawn from (speculation's verify passes); greedy is a one-hot distribution, so
+    one rule serves both."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).float()
+    return logits_to_probs(logits, temperature, top_k, top_p)
+
+
 def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
            allowed=None):  # logits [B, V], allowed [B, V] bool or None -> [B]
     """The next token of each row, or NOT_FINITE where the row's logits hold a NaN or an infinity (a damaged

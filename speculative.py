@@ -19,19 +19,13 @@ from torch import Tensor
 
 import cli
 import generate
+import trees
 from checkpoint import checkpoint_files, load_model, tokenizer_path
-from generate import Generation, compile_prefill, compile_step, decode_logits, device_sync, draw, logits_to_probs, \
-    peak_memory_gb, pick, prefill
+from generate import Generation, compile_prefill, compile_step, decode_logits, device_sync, draw, peak_memory_gb, \
+    pick, prefill, probs_of
 from guided import Guide, allowed_tokens
 from model import Transformer, kv_bucket
-
-
-def probs_of(logits: Tensor, temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None) -> Tensor:  # [N, V] -> [N, V] float32
-    """The distribution a token is drawn from; greedy is a one-hot distribution, so one rule serves both."""
-    if temperature == 0:
-        return F.one_hot(logits.argmax(-1), logits.size(-1)).float()
-    return logits_to_probs(logits, temperature, top_k, top_p)
+from trees import reserve
 
 
 def masked(logits: Tensor, bits: Optional[Tensor]) -> Tensor:  # logits [N, V], bits [N, W] int32 or None
@@ -72,21 +66,6 @@ def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Ste
     step = compile_step if compile else (lambda f: f)
     first = compile_prefill if compile_prefill_too else (lambda f: f)
     return Steps(first(prefill), step(draft_step), step(verify), first(decode_logits), step(pick))
-
-
-def reserve(models: list, T: int, max_new_tokens: int, extra: int, what: str, cached: int) -> int:
-    """Set up each model's cache (None: skip) for the prompt, the new tokens and `extra` slots that a round writes
-    past them (`what`, for the error), unless it holds them already; the length."""
-    length = T + max_new_tokens + extra
-    for m in [m for m in models if m is not None]:
-        if length > m.args.block_size:
-            raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds the maximum "
-                             f"sequence length {m.args.block_size}")
-        if m.max_batch_size < 1 or m.max_seq_length < length:
-            if cached:
-                raise ValueError(f"cached tokens need a cache set up to hold the prompt, the new tokens and {what}")
-            m.setup_caches(1, length)
-    return length
 
 
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
@@ -289,17 +268,17 @@ def speculative_loop(args, model: Transformer, prompts: list[list[int]], paralle
                      **sampling) -> Callable:
     """generate.run's loop: (eos_ids, callback, stop, cached, prompts) -> Generation. Without a proposer, plain decoding. Under tensor
     parallelism the draft is replicated on every rank."""
-    if not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix):
+    if not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix or args.lookahead):
         return generate.plain_loop(args, model, prompts, parallel, guide, **sampling)
     device = model.tok_embeddings.weight.device
     draft = load_draft(args.draft_checkpoint_path, checkpoint_files(args.checkpoint_path)[0], model, device,
                        model.norm.weight.dtype, args.cpu_kernels) if args.draft_checkpoint_path else None
-    if args.tree or args.suffix:  # one proposer and one set of measured costs for every call: chat turns share them
+    if args.tree or args.suffix or args.lookahead:  # one proposer and one set of measured costs for every call
         if parallel:  # each rank would choose the tree's size from its own timings
-            raise ValueError("--tree and --suffix are not supported with tensor parallelism")
-        import trees
+            raise ValueError("--tree, --suffix and --lookahead are not supported with tensor parallelism")
         steps, sizer = trees.build_steps(args.compile, args.compile_prefill), trees.Sizer()
-        proposer = trees.DraftTree(draft, steps.draft) if args.tree else trees.Suffix()
+        proposer = trees.DraftTree(draft, steps.draft) if args.tree else trees.Suffix() if args.suffix else \
+            trees.Lookahead()
         return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: trees.tree_generate(
             model, prompts[0], args.max_new_tokens, proposer, args.max_nodes, eos_ids, callback, steps, stop, cached,
             sizer, **sampling)
@@ -325,8 +304,11 @@ def parser():
     p.add_argument("--suffix", action="store_true", help="no draft model: propose a tree of the most frequent "
                    "continuations of the context's longest earlier match, from all text seen (the prompt, the output "
                    "and earlier chat turns)")
-    p.add_argument("--max_nodes", type=cli.positive_int, default=32, help="with --tree or --suffix: the most tokens "
-                   "verified per pass; each pass takes the size that measured costs and acceptance so far favour")
+    p.add_argument("--lookahead", action="store_true", help="no draft model: Jacobi iteration guesses tokens ahead, "
+                   "and n-grams from the target's answers and the text propose a tree (lookahead decoding)")
+    p.add_argument("--max_nodes", type=cli.positive_int, default=32, help="with --tree, --suffix or --lookahead: "
+                   "the most tokens verified per pass; each pass takes the size that measured costs and acceptance "
+                   "so far favour")
     return p
 
 
@@ -336,13 +318,16 @@ def parse_args(argv=None):
     checks = [(not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
                "--prompt_lookup, not both"),
               (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
-              (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix),
+              (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix
+                                            or args.lookahead),
                "speculative decoding supports batch size 1 only"),
               (not args.tree or args.draft_checkpoint_path, "--tree needs --draft_checkpoint_path"),
-              (not args.suffix or not (args.draft_checkpoint_path or args.prompt_lookup), "--suffix needs no other "
-               "proposer: use it without --draft_checkpoint_path and --prompt_lookup"),
-              (not (args.tree or args.suffix) or not args.fixed_k, "--fixed_k applies to a chain draft, not a tree"),
-              (not (args.tree or args.suffix) or not args.guides, "token trees do not support guided generation; use "
+              (sum(map(bool, (args.suffix, args.lookahead, args.draft_checkpoint_path or args.prompt_lookup))) < 2,
+               "--suffix and --lookahead need no other proposer: use one, without --draft_checkpoint_path or "
+               "--prompt_lookup"),
+              (not (args.tree or args.suffix or args.lookahead) or not args.fixed_k,
+               "--fixed_k applies to a chain draft, not a tree"),
+              (not (args.tree or args.suffix or args.lookahead) or not args.guides, "token trees do not support guided generation; use "
                "a chain draft or --prompt_lookup")]
     for ok, msg in checks:
         if not ok:

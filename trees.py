@@ -26,9 +26,23 @@ import torch
 from torch import Tensor
 
 import generate
-from generate import Generation, compile_prefill, compile_step, device_sync, peak_memory_gb, prefill
+from generate import Generation, compile_prefill, compile_step, device_sync, peak_memory_gb, prefill, probs_of
 from model import kv_bucket
-from speculative import probs_of, reserve
+
+
+def reserve(models: list, T: int, max_new_tokens: int, extra: int, what: str, cached: int) -> int:
+    """Set up each model's cache (None: skip) for the prompt, the new tokens and `extra` slots that a round writes
+    past them (`what`, for the error), unless it holds them already; the length."""
+    length = T + max_new_tokens + extra
+    for m in [m for m in models if m is not None]:
+        if length > m.args.block_size:
+            raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) + {what} exceeds the maximum "
+                             f"sequence length {m.args.block_size}")
+        if m.max_batch_size < 1 or m.max_seq_length < length:
+            if cached:
+                raise ValueError(f"cached tokens need a cache set up to hold the prompt, the new tokens and {what}")
+            m.setup_caches(1, length)
+    return length
 
 
 @dataclass
@@ -195,8 +209,58 @@ class Suffix:
                 heapq.heappush(heap, (score * self.count[c] / total(node), c, i, t))
         return tree
 
-    def accepted(self, kept: list[int]):  # the next propose() reads the new tokens from the context
+    def accepted(self, kept: list[int], tree: Tree, p: Tensor):  # the next propose() reads the context
         pass
+
+
+class Lookahead:
+    """Lookahead decoding (Fu et al. 2024), no draft model: Jacobi iteration guesses `window` tokens ahead, and the
+    target, verifying them, also says what should follow each guess; n-grams from those answers (and from the text
+    so far) fill a pool, and the pool's n-grams that start with the root become branches of the next tree, beside
+    the improved guesses. Jacobi guesses alone rarely hold, but the n-grams they leave behind often do."""
+
+    def __init__(self, window: int = 8, n: int = 4, per_key: int = 8):
+        self.window, self.n, self.per_key = window, n, per_key
+        self.guess: list[int] = []  # for the positions after the root
+        self.pool: dict[int, list[tuple]] = {}  # first token -> the n - 1 tokens after it, most recent first
+        self.seen = 0  # the context's tokens already in the pool
+
+    def remember(self, gram: list[int]):
+        grams = self.pool.setdefault(gram[0], [])
+        if tuple(gram[1:]) in grams:
+            grams.remove(tuple(gram[1:]))
+        grams.insert(0, tuple(gram[1:]))
+        del grams[self.per_key :]
+
+    def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
+        self.seen = min(self.seen, len(context))
+        for j in range(max(self.seen, self.n - 1), len(context)):
+            self.remember(context[j - self.n + 1 : j + 1])
+        self.seen = len(context)
+        if len(self.guess) < self.window:  # to start, and after a long acceptance: the text's own tokens
+            self.guess += context[-(self.window - len(self.guess)) :]
+        tree = Tree([context[-1]])
+        for gram in self.pool.get(context[-1], []):
+            node = 0
+            for i, t in enumerate(gram):
+                node = tree.add(node, t, 0.5 ** (i + 1))
+        node = 0
+        for i, t in enumerate(self.guess):
+            node = tree.add(node, t, 0.25 ** (i + 1))
+        return tree
+
+    def accepted(self, kept: list[int], tree: Tree, p: Tensor):
+        """The target's next token after the root and after each guess it saw: the Jacobi step. Its n-grams go to
+        the pool, and what it says about the positions after this round's new root are the next guesses."""
+        top, node, answer = p.argmax(-1).tolist(), 0, []
+        for t in [None] + self.guess:
+            node = node if t is None else tree.kids[node].get(t)
+            if node is None:
+                break
+            answer.append(top[node])  # answer[i]: what follows the root and guesses[:i]
+        for i in range(self.n - 1, len(answer)):
+            self.remember(self.guess[i - self.n + 1 : i] + [answer[i]])
+        self.guess = (answer + self.guess[len(answer) :])[len(kept) :]
 
 
 class DraftTree:
@@ -217,14 +281,17 @@ class DraftTree:
         self.cached, self.slots = T, slots
 
     def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
-        """worth(gain, seconds), if given, decides whether one more level (a draft pass, for the frontier's scores
-        in gain) is worth its time; otherwise the tree grows `depth` levels."""
+        """worth(gain, seconds), if given, decides whether one more level (a draft pass, for the scores of the
+        level it adds, in gain) is worth its time; otherwise the tree grows `depth` levels. Tokens the draft missed
+        (rounds without a tree) it reads first, in one pass."""
         base = len(context) - 1  # the root's slot
         behind = Tree([context[self.cached]])  # the tokens the draft has not seen, as a chain ending at the root
         for i, token in enumerate(context[self.cached + 1 :]):
             behind.add(i, token, 1.0)
+        t = time.perf_counter()
         p = forward_nodes(self.draft, self.step, behind, self.cached, range(len(behind.tokens)), self.slots,
                           temperature=1.0)[-1:]
+        self.pass_s = self.pass_s or time.perf_counter() - t
         tree, frontier, leaves = Tree([context[-1]]), [0], []
         self.base, self.grown = base, {0}  # the nodes the draft has seen: their KV is in its cache
         for level in range(self.depth):
@@ -246,7 +313,7 @@ class DraftTree:
             tree.add(f, t, s)
         return tree
 
-    def accepted(self, kept: list[int]):
+    def accepted(self, kept: list[int], tree: Tree, p: Tensor):
         """kept: the accepted path as this round's tree indices. The draft keeps the part of it that it has seen."""
         seen = 0
         while seen < len(kept) and kept[seen] in self.grown:
@@ -262,8 +329,8 @@ class Sizer:
     """Chooses how many of the proposer's nodes the target verifies. A verify pass over n nodes costs cost[n]
     seconds, timed once per size; a round yields 1 + alpha * (the sum of the kept nodes' scores) tokens, where alpha,
     accepted over predicted so far, calibrates the proposer's scores. Each round takes the n with the most tokens
-    per second, counting the proposer's own time. Where that is n = 1 (plain decoding) but there were guesses, every
-    8th round verifies them anyway, so that a proposer that starts to guess well is noticed."""
+    per second, counting the proposer's own time, and where even the best n loses to plain decoding the proposer
+    sits the next rounds out (see pays)."""
     sizes: tuple = (1, 2, 4, 8, 16, 32, 64)
     cost: dict = field(default_factory=dict)
     kept: float = 0.0
@@ -271,7 +338,9 @@ class Sizer:
     propose_s: float = 0.0
     round_tokens: float = 0.0
     round_s: float = 0.0
-    passed: int = 0  # rounds that chose plain decoding over the guesses
+    passed: int = 0  # rounds that did not propose
+    exploring: bool = False  # this round proposes although the last did not pay
+    last: list = field(default_factory=list)  # the last tree's scores, best first
 
     def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int, **sampling):
         """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base."""
@@ -291,26 +360,39 @@ class Sizer:
     def alpha(self) -> float:
         return self.kept / self.predicted if self.predicted else 1.0
 
+    def rate(self, scores: list[float], n: int) -> float:  # expected tokens per second verifying the n best
+        return (1 + self.alpha() * sum(scores[: n - 1])) / (self.propose_s + self.cost[n])
+
+    def pays(self) -> bool:
+        """Whether to propose this round: whether a tree like the last one, at its best size and with the proposer's
+        time, beats plain decoding. If not, every 8th round proposes anyway, so that a proposer that starts to
+        guess well (the text turns repetitive) is noticed."""
+        self.exploring = False
+        if not self.last or 1 not in self.cost or max(self.rate(self.last, n) for n in self.cost) * self.cost[1] > 1:
+            return True
+        self.passed += 1
+        self.exploring = self.passed % 8 == 0
+        return self.exploring
+
     def choose(self, tree: Tree) -> int:
-        scores, n, alpha = sorted(tree.scores[1:], reverse=True), len(tree.tokens), self.alpha()
-        rate = lambda s: (1 + alpha * sum(scores[: min(s, n) - 1])) / (self.propose_s + self.cost[s])  # noqa: E731
-        sizes = sorted(self.cost)
-        best = max(sizes, key=rate)
-        if best == 1 and n > 1:
-            self.passed += 1
-            if self.passed % 8 == 0:
-                best = max(sizes[1:], key=rate)
-        return min(n, best)
+        self.last = scores = sorted(tree.scores[1:], reverse=True)
+        sizes = [s for s in sorted(self.cost) if s <= len(tree.tokens)] or [min(self.cost)]
+        best = max(sizes, key=lambda s: self.rate(scores, s))
+        if best == 1 and self.exploring and len(sizes) > 1:  # a round proposed to learn: verify the guesses
+            best = max(sizes[1:], key=lambda s: self.rate(scores, s))
+        return min(len(tree.tokens), best)
 
     def worth(self, gain: float, seconds: float) -> bool:
         """Whether spending seconds more on proposing, for gain more expected score, pays at the recent rate."""
         return not self.round_s or self.alpha() * gain >= self.round_tokens / self.round_s * seconds
 
-    def update(self, tree: Tree, kept: int, propose_s: float, round_s: float):
+    def update(self, tree: Tree, kept: int, propose_s: Optional[float], round_s: float):
+        """After a round: the tree verified, the tokens kept from it, the proposer's seconds (None: it sat out)."""
         ema = lambda old, new: new if not old else 0.9 * old + 0.1 * new  # noqa: E731
         if len(tree.tokens) > 1:  # a lone root predicts nothing
             self.kept, self.predicted = ema(self.kept, kept), ema(self.predicted, sum(tree.scores[1:]))
-        self.propose_s = ema(self.propose_s, propose_s)
+        if propose_s is not None:
+            self.propose_s = ema(self.propose_s, propose_s)
         self.round_tokens, self.round_s = ema(self.round_tokens, kept + 1), ema(self.round_s, round_s)
 
 
@@ -369,16 +451,21 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
         if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out) < len(out):
             break
         t = time.perf_counter()
-        full = proposer.propose(prompt + out, max_nodes, sizer.worth)
-        tree, kept = full.best(sizer.choose(full))
+        proposing = sizer.pays()
+        if proposing:
+            full = proposer.propose(prompt + out, max_nodes, sizer.worth)
+            tree, kept = full.best(sizer.choose(full))
+        else:  # plain decoding this round; a draft reads the tokens it missed next time
+            tree, kept = Tree([out[-1]]), [0]
         t_verify = time.perf_counter()
         p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
         if not bool(torch.isfinite(p).all()):
             raise generate.not_finite(len(out))
         path, nxt = walk(tree, p, greedy)
         compact(model, pos, path)
-        proposer.accepted([kept[i] for i in path])
-        sizer.update(tree, len(path) - 1, t_verify - t, time.perf_counter() - t)
+        if proposing:
+            proposer.accepted([kept[i] for i in path], tree, p)
+        sizer.update(tree, len(path) - 1, t_verify - t if proposing else None, time.perf_counter() - t)
         accepted += [0] * (len(path) - len(accepted))
         accepted[len(path) - 1] += 1
         proposed += len(tree.tokens) - 1

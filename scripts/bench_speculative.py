@@ -19,7 +19,7 @@ import cli  # noqa: E402
 import generate as gen  # noqa: E402
 import speculative  # noqa: E402
 import trees  # noqa: E402
-from checkpoint import load_model  # noqa: E402
+from checkpoint import load_model, load_tokenizer  # noqa: E402
 from eval import read_texts, stdlib_files  # noqa: E402
 from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device  # noqa: E402
 from model import kv_bucket  # noqa: E402
@@ -34,12 +34,15 @@ KS = (2, 4, 6, 8)
 
 def configs(draft, k_max: int, ngram: int, nodes_max: tuple) -> dict:  # label -> keywords (None: plain)
     rows = {"plain": None}
-    rows.update({f"draft, K={k}": dict(k=k, draft=draft) for k in KS})
-    rows[f"draft, adaptive K<={k_max}"] = dict(k=k_max, draft=draft, adaptive=True)
+    if draft is not None:
+        rows.update({f"draft, K={k}": dict(k=k, draft=draft) for k in KS})
+        rows[f"draft, adaptive K<={k_max}"] = dict(k=k_max, draft=draft, adaptive=True)
     rows[f"prompt lookup, n={ngram}, K<={k_max}"] = dict(k=k_max, ngram=ngram)
     for nodes in nodes_max:  # tree rows: k is the most nodes; each row keeps its measured verify costs
-        rows[f"draft tree, <={nodes} nodes"] = dict(k=nodes, tree="draft", draft=draft, sizer=trees.Sizer())
+        if draft is not None:
+            rows[f"draft tree, <={nodes} nodes"] = dict(k=nodes, tree="draft", draft=draft, sizer=trees.Sizer())
         rows[f"suffix, <={nodes} nodes"] = dict(k=nodes, tree="suffix", sizer=trees.Sizer())
+        rows[f"lookahead, <={nodes} nodes"] = dict(k=nodes, tree="lookahead", sizer=trees.Sizer())
     return rows
 
 
@@ -57,6 +60,26 @@ def prompt_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
             "repetitive": [tokenizer.encode("def fibonacci(n):", bos=True)]}
 
 
+def chat_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
+    """For an instruct model, three workloads on n held-out code windows of about `length` tokens. Continue code:
+    the window alone, to be continued. Edit code: a request to return the window with one line added, so that the
+    answer copies the prompt. Summarize, quoting: a request to explain the code quoting the lines that matter."""
+    texts = [t for t in read_texts(stdlib_files("heldout"), "the held-out split")
+             if len(tokenizer.encode(t)) > 2 * length]
+    windows = []
+    for t in (texts[i * len(texts) // n] for i in range(n)):
+        ids = tokenizer.encode(t, bos=False)
+        window = tokenizer.decode(ids[len(ids) // 2 - length // 2 : len(ids) // 2 + length // 2])
+        windows.append(window[window.find("\n") + 1 :])  # from a line's start
+    ask = lambda text: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),  # noqa
+                                        bos=False, specials=True)
+    return {"continue code": [tokenizer.encode(w) for w in windows],
+            "edit code": [ask(f"Add the comment `# reviewed` as the first line of this Python code and give back "
+                              f"the whole code, otherwise unchanged:\n```python\n{w}\n```") for w in windows],
+            "summarize, quoting": [ask(f"Explain what this Python code does, quoting the lines that matter:\n"
+                                       f"```python\n{w}\n```") for w in windows]}
+
+
 def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_steps,
                 tree_steps) -> tuple[float, dict]:
     """Greedy decode tokens/sec after the first token (prefill is the same for every row), and the statistics."""
@@ -64,8 +87,9 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_s
         r = gen.generate(model, [prompt], new_tokens, None, steps=steps, temperature=0)
         return r.decode_tokens / r.decode_s, {}
     kw = dict(kwargs)
-    if "tree" in kw:  # a fresh suffix trie per run: a repeat must not find its own earlier output
-        proposer = trees.DraftTree(kw["draft"], tree_steps.draft) if kw["tree"] == "draft" else trees.Suffix()
+    if "tree" in kw:  # a fresh proposer per run: a repeat must not find its own earlier output
+        proposer = trees.DraftTree(kw["draft"], tree_steps.draft) if kw["tree"] == "draft" else \
+            trees.Suffix() if kw["tree"] == "suffix" else trees.Lookahead()
         r = trees.tree_generate(model, prompt, new_tokens, proposer, kw["k"], steps=tree_steps, sizer=kw["sizer"],
                                 temperature=0)
     else:
@@ -74,12 +98,14 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_s
     return r.decode_tokens / r.decode_s, r.metrics(0)
 
 
+@torch.no_grad()  # as the loops run: with autograd on, the CPU kernels step aside for torch's
 def step_costs(model, draft, pos: int, k_max: int, device, steps, spec_steps) -> dict:
     """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
     cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)
     n = kv_bucket(pos + k_max + 1, model.max_seq_length)  # every pass reads the same cache length
-    costs = {"target_step": seconds(lambda: steps.decode(model, cur, slot, None, n, temperature=0), 50, device),
-             "draft_step": seconds(lambda: spec_steps.draft(draft, cur, slot, n, temperature=0), 50, device)}
+    costs = {"target_step": seconds(lambda: steps.decode(model, cur, slot, None, n, temperature=0), 50, device)}
+    if draft is not None:
+        costs["draft_step"] = seconds(lambda: spec_steps.draft(draft, cur, slot, n, temperature=0), 50, device)
     for s in range(2, max(k_max, *KS) + 2):
         tokens = torch.zeros(1, s, dtype=torch.long, device=device)
         slots = torch.arange(pos, pos + s, device=device)
@@ -98,6 +124,11 @@ def predicted_speedup(k: int, hist: list[int], costs: dict) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
+    p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="the target (default: the "
+                   "built-in one); one with a chat template runs the instruct workloads: continue code, edit code, "
+                   "summarize quoting")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="the draft (default: the built-in one for the built-in "
+                   "target, else none, and no draft rows)")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
     p.add_argument("--prompts", type=cli.positive_int, default=4, help="prompts per set")
@@ -123,17 +154,21 @@ def main():
     if args.quick:
         args.prompts, args.prompt_tokens, args.new_tokens, args.repeats = 1, 64, 32, 1
     torch.manual_seed(0)
-    model, draft = load_model(DEFAULT_CHECKPOINT, device, dtype), load_model(DRAFT, device, dtype)
-    sets = prompt_sets(Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model"), args.prompts, args.prompt_tokens)
+    model = load_model(args.checkpoint_path, device, dtype)
+    tokenizer = load_tokenizer(args.checkpoint_path, model.args)
+    draft_path = args.draft_checkpoint_path or (DRAFT if args.checkpoint_path == DEFAULT_CHECKPOINT else None)
+    draft = load_model(draft_path, device, dtype) if draft_path else None
+    sets = (chat_sets if tokenizer.chat_template else prompt_sets)(tokenizer, args.prompts, args.prompt_tokens)
     rows = configs(draft, args.k_max, args.ngram, tuple(args.nodes))
     steps, spec_steps = gen.build_steps(args.compile), speculative.build_steps(args.compile)
     tree_steps = trees.build_steps(args.compile)
-    length = args.prompt_tokens + args.new_tokens + max(args.k_max + 1, *args.nodes, trees.DraftTree(draft).room)
-    for m in (model, draft):
+    longest = max(len(p) for ps in sets.values() for p in ps)
+    length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, trees.DraftTree(draft).room)
+    for m in (model, draft) if draft is not None else (model,):
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
     t0 = time.perf_counter()
     for kwargs in rows.values():  # warm-up, and compilation
-        decode_rate(model, sets["held-out code"][0], 16, kwargs, steps, spec_steps, tree_steps)
+        decode_rate(model, next(iter(sets.values()))[0], 16, kwargs, steps, spec_steps, tree_steps)
     compile_s = time.perf_counter() - t0
     # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
     rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
@@ -146,7 +181,8 @@ def main():
                     rates[s][label][i].append(rate)
                     stats[s][label].append(st)
     costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device, steps, spec_steps)
-    results = {"machine": machine(device), "dtype": args.dtype, "compile": args.compile, "compile_s": compile_s,
+    results = {"checkpoint": str(args.checkpoint_path), "draft": str(draft_path) if draft_path else None,
+               "machine": machine(device), "dtype": args.dtype, "compile": args.compile, "compile_s": compile_s,
                "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                "repeats": args.repeats, "costs_ms": {k: 1e3 * v for k, v in costs.items()}, "sets": {}}
     for s in sets:
@@ -185,7 +221,8 @@ def machine(device) -> str:
 
 
 def print_tables(r: dict):
-    print(f"\n{r['machine']}, {r['dtype']}, {'compiled' if r['compile'] else 'eager'}, torch {torch.__version__}: "
+    print(f"\n{r['checkpoint']}, draft {r['draft']}; {r['machine']}, {r['dtype']}, "
+          f"{'compiled' if r['compile'] else 'eager'}, torch {torch.__version__}: "
           f"{r['prompts']} prompts per set of {r['prompt_tokens']} tokens, {r['new_tokens']} new tokens, greedy, "
           f"median of {r['repeats']}; compile and warm-up {r['compile_s']:.0f} s\n")
     for s, rows in r["sets"].items():
@@ -201,8 +238,9 @@ def print_tables(r: dict):
         print()
     c = r["costs_ms"]
     verify = ", ".join(f"{s.split('_')[1]}: {v / c['target_step']:.2f}" for s, v in c.items() if s.startswith("verify"))
-    print(f"Costs, as fractions of one plain target step ({c['target_step']:.2f} ms): draft step "
-          f"{c['draft_step'] / c['target_step']:.2f}; verify pass over S positions, S = {verify}")
+    draft = f"draft step {c['draft_step'] / c['target_step']:.2f}; " if "draft_step" in c else ""
+    print(f"Costs, as fractions of one plain target step ({c['target_step']:.2f} ms): {draft}verify pass over S "
+          f"positions, S = {verify}")
 
 
 if __name__ == "__main__":

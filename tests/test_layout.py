@@ -40,6 +40,7 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
     assert GRAPH["cpu_gemv"] == GRAPH["tokenizer"] == GRAPH["cli"] == GRAPH["guided"] == set()
     assert GRAPH["checkpoint"] <= {"model", "quantize", "cpu_gemv", "tokenizer", "cli"}
     assert GRAPH["generate"] <= {"model", "checkpoint", "tokenizer", "cpu_gemv", "cli", "guided"}
-    for entry in ("speculative", "eval"):
-        assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval"} - {entry}
+    for entry in ("trees", "eval"):
+        assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval", "trees"} - {entry}
+    assert {"generate", "trees"} <= GRAPH["speculative"] and not GRAPH["speculative"] & {"tp", "eval"}
     assert {"speculative", "generate", "checkpoint"} <= GRAPH["tp"]

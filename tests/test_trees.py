@@ -51,7 +51,7 @@ class Oracle:
             node = nodes[want]
         return tree
 
-    def accepted(self, kept):
+    def accepted(self, kept, tree, p):
         pass
 
 
@@ -132,6 +132,35 @@ def test_greedy_suffix_decoding_is_identical_to_plain_greedy(pair, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
+def test_greedy_lookahead_decoding_is_identical_to_plain_greedy(pair, compiled):
+    target = load_model(pair[0], "cpu", torch.float32)
+    prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21]
+    out = tree_generate(target, prompt, 40, trees.Lookahead(), 16, steps=trees.build_steps(compile=compiled),
+                        temperature=0)
+    assert out.rows[0] == greedy(target, prompt, 40)
+
+
+def test_lookahead_pools_the_texts_ngrams_and_proposes_those_after_the_root():
+    look = trees.Lookahead(window=2, n=3)
+    tree = look.propose([5, 6, 7, 9, 5, 6, 8, 5], 16)  # after 5: (6, 8) most recently, (6, 7) before
+    assert look.pool[5] == [(6, 8), (6, 7)]
+    assert tree.tokens[1:4] == [6, 8, 7] and tree.parents[1:4] == [0, 1, 1]
+
+
+def test_lookahead_takes_the_targets_answers_as_its_next_guesses_and_pools_their_ngrams():
+    look = trees.Lookahead(window=3, n=2)
+    look.guess = [4, 4, 4]
+    tree = look.propose([1, 2, 3], 16)  # root 3, then the guesses 4, 4, 4 as a chain
+    chain = [0, tree.kids[0][4], tree.kids[tree.kids[0][4]][4]]
+    chain.append(tree.kids[chain[-1]][4])
+    p = torch.zeros(len(tree.tokens), 8)
+    for node, answer in zip(chain, (5, 6, 7, 1)):  # after 3: 5; after 3 4: 6; after 3 4 4: 7; after 3 4 4 4: 1
+        p[node, answer] = 1.0
+    look.accepted([0], tree, p)  # none kept: the next root is 5, at the guesses' first position
+    assert look.guess == [6, 7, 1] and (6,) in look.pool[4] and (7,) in look.pool[4]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
 def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
     steps = trees.build_steps(compile=compiled)
@@ -151,6 +180,15 @@ def test_a_draft_tree_from_the_target_itself_is_accepted_to_its_full_depth(pair)
                         temperature=0)
     assert out.rows[0] == greedy(target, [1, 5, 9], 30)
     assert out.accept_histogram == [0, 0, 0, 0, out.forwards]
+
+
+def test_a_draft_that_does_not_pay_sits_out_rounds_and_catches_up_after(pair):
+    target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
+    sizer = Sizer(cost={1: 1.0, 2: 50.0})  # verifying a guess costs 50 plain steps: it never pays
+    out = tree_generate(target, [1, 17, 42, 99, 7], 40, DraftTree(draft), 16, sizer=sizer, temperature=0)
+    assert out.rows[0] == greedy(target, [1, 17, 42, 99, 7], 40)
+    grown = sum(c for n, c in out.tree_sizes.items() if n > 1)
+    assert out.tree_sizes[1] >= 5 * grown > 0
 
 
 def test_kv_compaction_keeps_200_tokens_after_partial_acceptances_identical(pair):
@@ -184,7 +222,7 @@ def test_sampled_tree_speculation_has_the_target_distribution(sampling):
                 tree.add(child, 1, 0.2), tree.add(child, 6, 0.2)
             return tree
 
-        def accepted(self, kept):
+        def accepted(self, kept, tree, p):
             pass
 
     counts, sizer = torch.zeros(64), Sizer(cost={10: 1.0})
@@ -219,18 +257,20 @@ def test_compiled_tree_verification_does_not_recompile_between_rounds(pair):
     assert counters["stats"]["unique_graphs"] == frames
 
 
-def test_sizer_still_verifies_the_guesses_every_8th_round_when_plain_decoding_looks_faster():
+def test_a_proposer_that_does_not_pay_sits_out_seven_rounds_in_eight_and_its_8th_tree_is_verified():
     tree = Tree([0])
     tree.add(0, 1, 0.1)
     sizer = Sizer(cost={1: 1.0, 2: 5.0})
-    assert [sizer.choose(tree) for _ in range(8)] == [1] * 7 + [2]
+    assert sizer.pays() and sizer.choose(tree) == 1  # the first round proposes; its guess is not worth verifying
+    rounds = [sizer.pays() for _ in range(8)]
+    assert rounds == [False] * 7 + [True] and sizer.choose(tree) == 2
 
 
 def test_sizer_calibrates_its_scores_by_what_was_accepted_and_ignores_rounds_without_guesses():
     sizer, guess = Sizer(), Tree([0])
     guess.add(0, 1, 0.8)
     sizer.update(guess, 0, 0.0, 1.0)  # predicted 0.8, none kept
-    sizer.update(Tree([0]), 0, 0.0, 1.0)
+    sizer.update(Tree([0]), 0, None, 1.0)
     assert sizer.alpha() == 0.0 and sizer.predicted == pytest.approx(0.8)
 
 
@@ -259,7 +299,8 @@ def test_cli_draft_tree_matches_plain_greedy(pair):
 
 
 @pytest.mark.parametrize("flags, message", [(("--tree",), "--tree needs --draft_checkpoint_path"),
-                                            (("--suffix", "--prompt_lookup", 2), "--suffix needs no other proposer"),
+                                            (("--suffix", "--prompt_lookup", 2), "need no other proposer"),
+                                            (("--suffix", "--lookahead"), "need no other proposer"),
                                             (("--suffix", "--json"), "do not support guided generation"),
                                             (("--suffix", "--max_nodes", 0), "--max_nodes")])
 def test_cli_rejects_bad_tree_flags(pair, flags, message):
