@@ -122,12 +122,10 @@ def test_suffix_starts_afresh_on_another_text_and_keeps_what_it_learned():
     assert tree.tokens[1:] == [7, 8]
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_greedy_suffix_decoding_is_identical_to_plain_greedy(pair, compiled):
+def test_greedy_suffix_decoding_is_identical_to_plain_greedy(pair):  # compiled: see the recompile test
     target = load_model(pair[0], "cpu", torch.float32)
     prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21]
-    steps = trees.Steps(tree=torch.compile(tree_probs, fullgraph=True, dynamic=True)) if compiled else trees.Steps()
-    out = tree_generate(target, prompt, 30, Suffix(), 16, steps=steps, temperature=0)
+    out = tree_generate(target, prompt, 30, Suffix(), 16, temperature=0)
     assert out.rows[0] == greedy(target, prompt, 30)
 
 
@@ -204,7 +202,7 @@ def test_kv_compaction_keeps_200_tokens_after_partial_acceptances_identical(pair
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
 def test_sampled_tree_speculation_has_the_target_distribution(sampling):
     """The second and third sampled tokens after a fixed prompt, which one round over a two-level tree decides,
-    3000 times, against the exact joint distribution of the target (the first comes from prefill)."""
+    2000 times, against the exact joint distribution of the target (the first comes from prefill)."""
     target = tiny()
     prompt = [1, 2, 3]
     with torch.no_grad():
@@ -227,7 +225,7 @@ def test_sampled_tree_speculation_has_the_target_distribution(sampling):
 
     counts, sizer = torch.zeros(64), Sizer(cost={10: 1.0})
     torch.manual_seed(0)
-    for _ in range(3000):
+    for _ in range(2000):
         out = tree_generate(target, prompt, 3, Branchy(), 10, sizer=sizer, **sampling).rows[0]
         counts[out[1] * 8 + out[2]] += 1
     assert chi_square_p_value(counts, joint) > 1e-3
@@ -299,10 +297,8 @@ def test_cli_draft_tree_matches_plain_greedy(pair):
 
 
 @pytest.mark.parametrize("flags, message", [(("--tree",), "--tree needs --draft_checkpoint_path"),
-                                            (("--suffix", "--prompt_lookup", 2), "need no other proposer"),
                                             (("--suffix", "--lookahead"), "need no other proposer"),
-                                            (("--suffix", "--json"), "do not support guided generation"),
-                                            (("--suffix", "--max_nodes", 0), "--max_nodes")])
+                                            (("--suffix", "--json"), "do not support guided generation")])
 def test_cli_rejects_bad_tree_flags(pair, flags, message):
     from test_speculative import one_line_error, run_cli
     assert message in one_line_error(run_cli("--checkpoint_path", pair[0], *flags))
