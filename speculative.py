@@ -277,8 +277,8 @@ def speculative_loop(args, model: Transformer, prompts: list[list[int]], paralle
         if parallel:  # each rank would choose the tree's size from its own timings
             raise ValueError("--tree, --suffix and --lookahead are not supported with tensor parallelism")
         steps, sizer = trees.build_steps(args.compile, args.compile_prefill), trees.Sizer()
-        proposer = trees.DraftTree(draft, steps.draft) if args.tree else trees.Suffix() if args.suffix else \
-            trees.Lookahead()
+        proposer = trees.DraftTree(draft, steps.draft, staged=trees.Suffix() if args.staged else None) if args.tree \
+            else trees.Suffix() if args.suffix else trees.Lookahead()
         return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: trees.tree_generate(
             model, prompts[0], args.max_new_tokens, proposer, args.max_nodes, eos_ids, callback, steps, stop, cached,
             sizer, **sampling)
@@ -301,6 +301,9 @@ def parser():
     p.add_argument("--fixed_k", action="store_true", help="the draft model always proposes --speculate_k tokens")
     p.add_argument("--tree", action="store_true", help="with --draft_checkpoint_path: the draft proposes a tree (its "
                    "top 4 tokens after each node, the likeliest grown further) instead of a chain")
+    p.add_argument("--staged", action="store_true", help="with --tree: each draft pass also runs a guess of what "
+                   "follows, from a suffix trie over the text seen, so that where the text repeats one pass grows "
+                   "several levels (staged speculation)")
     p.add_argument("--suffix", action="store_true", help="no draft model: propose a tree of the most frequent "
                    "continuations of the context's longest earlier match, from all text seen (the prompt, the output "
                    "and earlier chat turns)")
@@ -322,6 +325,7 @@ def parse_args(argv=None):
                                             or args.lookahead),
                "speculative decoding supports batch size 1 only"),
               (not args.tree or args.draft_checkpoint_path, "--tree needs --draft_checkpoint_path"),
+              (not args.staged or args.tree, "--staged needs --tree"),
               (sum(map(bool, (args.suffix, args.lookahead, args.draft_checkpoint_path or args.prompt_lookup))) < 2,
                "--suffix and --lookahead need no other proposer: use one, without --draft_checkpoint_path or "
                "--prompt_lookup"),

@@ -8,7 +8,9 @@ Proposers:
   the text seen so far, the prompt and everything generated, across chat turns (SuffixDecoding, Oliaro et al.
   2024). No draft model; strong where the output repeats earlier text: editing code, quoting a document.
 - DraftTree: a small draft model expanded top-k per level, only the nodes it is most confident in growing further
-  (a dynamic tree, as EAGLE-2): alternatives where the draft hesitates, a long chain where it does not.
+  (a dynamic tree, as EAGLE-2): alternatives where the draft hesitates, a long chain where it does not. Staged
+  (Spector and Re 2023): the draft's own passes are speculated too, by a suffix trie's guess of what follows the
+  draft's best node, so that where the text repeats one draft pass grows several levels.
 
 Lossless: a node's children are tried in order, each accepted with the target's remaining probability of its token
 and otherwise removed from that distribution (SpecInfer's multi-candidate rule, with deterministic candidates), so
@@ -141,6 +143,15 @@ def walk(tree: Tree, p: Tensor, greedy: bool) -> tuple[list[int], int]:
             return path, int(generate.draw(left[None].float())[0])
 
 
+def path_to(tree: Tree, node: int) -> list[int]:
+    """The tokens from the root's child down to node."""
+    path = []
+    while node:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
 def compact(model, base: int, nodes: list[int]):
     """Move the KV entries of the kept nodes (slots base + nodes, increasing) to slots base, base + 1, ... in place,
     so that the cache holds the accepted path as if it had been decoded token by token."""
@@ -209,6 +220,24 @@ class Suffix:
                 heapq.heappush(heap, (score * self.count[c] / total(node), c, i, t))
         return tree
 
+    def follow(self, path: list[int], k: int) -> list[int]:
+        """Up to k tokens, each the most frequent next one, after the text seen so far followed by path (tokens not
+        seen yet, as a draft's guesses are): from the longest suffix with a continuation, as propose starts."""
+        for node in self.open + [0]:
+            for t in path:
+                node = self.kids[node].get(t)
+                if node is None:
+                    break
+            if node and self.level[node] <= self.match and self.kids[node]:
+                break
+        else:
+            return []
+        guess = []
+        while len(guess) < k and self.kids[node]:
+            token, node = max(self.kids[node].items(), key=lambda kv: self.count[kv[1]])
+            guess.append(token)
+        return guess
+
     def accepted(self, kept: list[int], tree: Tree, p: Tensor):  # the next propose() reads the context
         pass
 
@@ -264,14 +293,19 @@ class Lookahead:
 
 
 class DraftTree:
-    """A draft model grows the tree a level per pass: the top_k tokens after each node of the frontier, of which the
-    `width` the draft is most confident in (the product of its probabilities along the path) form the next frontier,
-    up to `depth` levels. The draft's cache follows the target's: after a round it keeps the accepted path."""
+    """A draft model grows the tree a level per pass: the top_k tokens after each node of the pass, of which the
+    `width` the draft is most confident in (the product of its probabilities along the path) form the next pass, up
+    to `depth` passes. staged (a Suffix over the text seen): each pass also runs that trie's guess of the `guess`
+    tokens after the pass's best node, as a chain under it, scored by the draft's probabilities once the pass has
+    run them; where the draft agrees with the guess, the next level starts below it, several levels deeper for one
+    pass. The draft's cache follows the target's: after a round it keeps the accepted path."""
 
-    def __init__(self, draft, step: Callable = draft_probs, top_k: int = 4, width: int = 4, depth: int = 6):
+    def __init__(self, draft, step: Callable = draft_probs, top_k: int = 4, width: int = 4, depth: int = 6,
+                 staged: Optional[Suffix] = None, guess: int = 4):
         self.draft, self.step, self.top_k, self.width, self.depth = draft, step, top_k, width, depth
+        self.staged, self.guess = staged, guess if staged is not None else 0
         self.cached = 0  # the draft's cache holds the context's first `cached` tokens
-        self.room = 1 + depth * width  # cache slots a round writes past the root, at most
+        self.room = 1 + depth * (width + self.guess)  # cache slots a round writes past the root, at most
         self.pass_s = 0.0  # seconds per draft pass over a level
 
     def start(self, prompt: list[int], cached: int, slots: Tensor, prefill_step: Callable):
@@ -292,26 +326,46 @@ class DraftTree:
         p = forward_nodes(self.draft, self.step, behind, self.cached, range(len(behind.tokens)), self.slots,
                           temperature=1.0)[-1:]
         self.pass_s = self.pass_s or time.perf_counter() - t
-        tree, frontier, leaves = Tree([context[-1]]), [0], []
+        if self.staged is not None:
+            self.staged.observe(context)
+        tree, ran, leaves = Tree([context[-1]]), [0], []
         self.base, self.grown = base, {0}  # the nodes the draft has seen: their KV is in its cache
-        for level in range(self.depth):
+        for _ in range(self.depth):  # passes; staged, fewer may reach the depth
             top = p.topk(self.top_k, dim=-1)
-            grown = sorted(((tree.scores[f] * q, f, t) for f, row_p, row_t in zip(frontier, top.values.tolist(),
-                            top.indices.tolist()) for q, t in zip(row_p, row_t)), key=lambda c: -c[0])
+            grown = sorted(((tree.scores[f] * q, f, t) for f, row_p, row_t in zip(ran, top.values.tolist(),
+                            top.indices.tolist()) for q, t in zip(row_p, row_t) if t not in tree.kids[f]),
+                           key=lambda c: -c[0])  # a guess the draft agrees with is a node already
             start = len(tree.tokens)
-            frontier = [tree.add(f, t, s) for s, f, t in grown[: self.width]]  # one block of slots: grown next
+            frontier = [tree.add(f, t, s) for s, f, t in grown[: self.width]]  # one block of slots: run next
             leaves += grown[self.width :]
-            if level == self.depth - 1 or worth and not worth(sum(s for s, _, _ in grown[: self.width]), self.pass_s):
+            path = path_to(tree, frontier[0]) if frontier else []
+            if not frontier or len(path) >= self.depth or worth and not worth(sum(s for s, _, _ in grown[: self.width]), self.pass_s):
                 break
+            guessed = self.guess_under(tree, frontier[0], path)
             t = time.perf_counter()
             p = forward_nodes(self.draft, self.step, tree, base, range(start, len(tree.tokens)), self.slots,
                               temperature=1.0)
-            self.grown |= set(frontier)
+            ran = list(range(start, len(tree.tokens)))
+            self.grown |= set(ran)
+            for i in guessed:  # the draft's probability of each guess, now that it has run them
+                parent = tree.parents[i]
+                tree.scores[i] = tree.scores[parent] * float(p[parent - start, tree.tokens[i]])
             self.pass_s = time.perf_counter() - t if not self.pass_s else 0.9 * self.pass_s + 0.1 * (
                 time.perf_counter() - t)
         for s, f, t in leaves:  # never run by the draft; the round keeps the best-scored nodes of all
             tree.add(f, t, s)
         return tree
+
+    def guess_under(self, tree: Tree, node: int, path: list[int]) -> list[int]:
+        """Staged: the trie's guess of what follows node (path: its tokens after the root), added as a chain below
+        it, no deeper than the tree may grow; the new nodes."""
+        if self.staged is None:
+            return []
+        added = []
+        for token in self.staged.follow(path, min(self.guess, self.depth - len(path))):
+            node = tree.add(node, token, 0.0)  # scored once the pass has run it
+            added.append(node)
+        return added
 
     def accepted(self, kept: list[int], tree: Tree, p: Tensor):
         """kept: the accepted path as this round's tree indices. The draft keeps the part of it that it has seen."""

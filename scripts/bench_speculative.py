@@ -1,9 +1,12 @@
-"""Speculative decoding benchmark: plain greedy decoding against a draft model at fixed K = 2, 4, 6 and 8, the
-adaptive draft length, and prompt lookup, on the built-in pair with prompts from held-out standard-library files,
-all in one run on one machine. It also times the pieces a round is made of (a draft step, a plain target step, a
-verify pass over S positions) and predicts each fixed K's speedup from them and the measured acceptance, which
-says why a speedup is or is not there. Prints Markdown tables and writes the figures as JSON."""
+"""Speculative decoding benchmark, all in one run on one machine: plain greedy decoding against a draft model at
+fixed K = 2, 4, 6 and 8 and at an adaptive length, prompt lookup, and the token trees (a draft tree, the same staged,
+suffix decoding, lookahead decoding). On the built-in pair the prompts are held-out standard-library code; a target
+with a chat template gets three instruct workloads instead. It prints the speedup, the accepted tokens per round and
+the target passes per token, and times the pieces a round is made of (a draft step, a plain target step, a verify
+pass over S positions), from which it predicts each fixed K's speedup: why a speedup is or is not there. Writes the
+figures as JSON, and a bar chart beside them when matplotlib is installed."""
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -41,6 +44,7 @@ def configs(draft, k_max: int, ngram: int, nodes_max: tuple) -> dict:  # label -
     for nodes in nodes_max:  # tree rows: k is the most nodes; each row keeps its measured verify costs
         if draft is not None:
             rows[f"draft tree, <={nodes} nodes"] = dict(k=nodes, tree="draft", draft=draft, sizer=trees.Sizer())
+            rows[f"staged draft tree, <={nodes} nodes"] = dict(k=nodes, tree="staged", draft=draft, sizer=trees.Sizer())
         rows[f"suffix, <={nodes} nodes"] = dict(k=nodes, tree="suffix", sizer=trees.Sizer())
         rows[f"lookahead, <={nodes} nodes"] = dict(k=nodes, tree="lookahead", sizer=trees.Sizer())
     return rows
@@ -88,7 +92,8 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_s
         return r.decode_tokens / r.decode_s, {}
     kw = dict(kwargs)
     if "tree" in kw:  # a fresh proposer per run: a repeat must not find its own earlier output
-        proposer = trees.DraftTree(kw["draft"], tree_steps.draft) if kw["tree"] == "draft" else \
+        staged = trees.Suffix() if kw["tree"] == "staged" else None
+        proposer = trees.DraftTree(kw["draft"], tree_steps.draft, staged=staged) if "draft" in kw else \
             trees.Suffix() if kw["tree"] == "suffix" else trees.Lookahead()
         r = trees.tree_generate(model, prompt, new_tokens, proposer, kw["k"], steps=tree_steps, sizer=kw["sizer"],
                                 temperature=0)
@@ -145,10 +150,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="a check that everything runs, in about a minute: one "
                    "prompt per set, 64 prompt tokens, 32 new tokens, one timed run; its figures are rough")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
-    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write the figures")
+    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write the figures "
+                   "(and, with matplotlib installed, a bar chart of the speedups beside it, as .png)")
     args = cli.one_line_errors(p).parse_args()
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
     cli.check_output_file(args.json, "--json", '"machine"')
+    cli.check_output_file(args.json.with_suffix(".png"), "--json", "Matplotlib")
     if device.type == "cpu":
         cli.set_threads(args.threads)
     if args.quick:
@@ -163,7 +170,7 @@ def main():
     steps, spec_steps = gen.build_steps(args.compile), speculative.build_steps(args.compile)
     tree_steps = trees.build_steps(args.compile)
     longest = max(len(p) for ps in sets.values() for p in ps)
-    length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, trees.DraftTree(draft).room)
+    length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, trees.DraftTree(draft, staged=trees.Suffix()).room)
     for m in (model, draft) if draft is not None else (model,):
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
     t0 = time.perf_counter()
@@ -199,7 +206,8 @@ def main():
                 rounds, drafted = sum(hist), sum(st["mean_drafted"] * sum(st["accept_histogram"]) for st in sts)
                 kept = sum(j * c for j, c in enumerate(hist))
                 row.update(mean_drafted=drafted / rounds, mean_accepted=kept / rounds,
-                           acceptance_rate=kept / drafted if drafted else 0.0, accept_histogram=hist)
+                           acceptance_rate=kept / drafted if drafted else 0.0, accept_histogram=hist,
+                           passes_per_token=rounds / (rounds + kept))  # a round emits its kept tokens and one more
                 if kwargs.get("draft") is not None and not kwargs.get("adaptive") and "tree" not in kwargs:
                     row["predicted_speedup"] = predicted_speedup(kwargs["k"], hist, costs)
             results["sets"][s][label] = row
@@ -209,6 +217,11 @@ def main():
     print_tables(results)
     cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
     print(f"wrote {args.json}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed")
+    else:
+        cli.write_file(args.json.with_suffix(".png"), lambda tmp: plot(results, tmp))
+        print(f"wrote {args.json.with_suffix('.png')}")
 
 
 def machine(device) -> str:
@@ -227,11 +240,13 @@ def print_tables(r: dict):
           f"median of {r['repeats']}; compile and warm-up {r['compile_s']:.0f} s\n")
     for s, rows in r["sets"].items():
         print(f"**{s}**\n")
-        print("| | tokens/s | speedup | drafted / round | accepted / round | acceptance | predicted speedup |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| | tokens/s | speedup | drafted / round | accepted / round | target passes / token | acceptance "
+              "| predicted speedup |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for label, row in rows.items():
             cells = [f"{row['tokens_per_sec']:.1f}", f"{row['speedup']:.2f}x"]
-            cells += [f"{row[k]:.2f}" for k in ("mean_drafted", "mean_accepted")] if "mean_drafted" in row else ["", ""]
+            cells += [f"{row[k]:.2f}" for k in ("mean_drafted", "mean_accepted", "passes_per_token")] \
+                if "mean_drafted" in row else ["", "", "1.00"]
             cells.append(f"{row['acceptance_rate']:.0%}" if "acceptance_rate" in row else "")
             cells.append(f"{row['predicted_speedup']:.2f}x" if "predicted_speedup" in row else "")
             print(f"| {label} | " + " | ".join(cells) + " |")
@@ -241,6 +256,27 @@ def print_tables(r: dict):
     draft = f"draft step {c['draft_step'] / c['target_step']:.2f}; " if "draft_step" in c else ""
     print(f"Costs, as fractions of one plain target step ({c['target_step']:.2f} ms): {draft}verify pass over S "
           f"positions, S = {verify}")
+
+
+def plot(r: dict, path: Path):
+    """Speedup over plain decoding, a group of bars per workload and a bar per proposer."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    sets, labels = list(r["sets"]), [label for label in next(iter(r["sets"].values())) if label != "plain"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) * len(sets) / 3), 4.5))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(sets))]
+        ax.bar(xs, [r["sets"][s][label]["speedup"] for s in sets], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(sets)), sets)
+    ax.set_ylabel("speedup over plain greedy decoding")
+    ax.set_title(f"{Path(r['checkpoint']).name}, {r['dtype']}: {r['machine']}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ def test_bench_speculative_quick_runs_every_row_and_writes_json(tmp_path):
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     sets = json.loads(out.read_text())["sets"]
-    rows = {"plain", "prompt lookup, n=3, K<=8", "draft tree, <=32 nodes", "suffix, <=32 nodes",
-            "lookahead, <=32 nodes"}
+    rows = {"plain", "prompt lookup, n=3, K<=8", "draft tree, <=32 nodes", "staged draft tree, <=32 nodes",
+            "suffix, <=32 nodes", "lookahead, <=32 nodes"}
     assert sets and all(rows <= set(r) for r in sets.values())
     assert all(row["tokens_per_sec"] > 0 for rows in sets.values() for row in rows.values())
+    assert all(0 < row["passes_per_token"] <= 1 for r in sets.values() for label, row in r.items() if label != "plain")
 
 
 def test_bench_guided_pairs_each_run_with_a_guided_one(tmp_path):

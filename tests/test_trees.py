@@ -158,14 +158,43 @@ def test_lookahead_takes_the_targets_answers_as_its_next_guesses_and_pools_their
     assert look.guess == [6, 7, 1] and (6,) in look.pool[4] and (7,) in look.pool[4]
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled):
+@pytest.mark.parametrize("compiled, staged", [(False, False), (False, True), (True, True)])
+def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled, staged):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
     steps = trees.build_steps(compile=compiled)
-    prompt = [1, 17, 42, 99, 7]
-    out = tree_generate(target, prompt, 40, DraftTree(draft, steps.draft), 16, steps=steps, temperature=0)
+    prompt = [1, 17, 42, 99, 7, 17, 42, 99]
+    proposer = DraftTree(draft, steps.draft, staged=Suffix() if staged else None)
+    out = tree_generate(target, prompt, 40, proposer, 16, steps=steps, temperature=0)
     assert out.rows[0] == greedy(target, prompt, 40)
     assert sum(out.accept_histogram) == out.forwards and sum(out.tree_sizes.values()) == out.forwards
+
+
+def test_suffix_follow_guesses_the_most_frequent_tokens_after_the_text_and_a_path():
+    suffix = Suffix()
+    suffix.observe([7, 1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2, 3, 4, 6, 1])
+    assert suffix.follow([2], 3) == [3, 4, 9]  # after (1, 2): 3; after (1, 2, 3): 4 twice, 5 once; then (..., 4): 9
+    assert suffix.follow([8], 3) == []  # (1, 8) and (8) never occurred
+
+
+def test_a_staged_draft_grows_text_seen_before_in_fewer_passes(pair):
+    """The target as its own draft (made confident: its logits scaled up, the argmax unchanged), asked again what
+    it answered before (an earlier chat turn, in the trie): the trie's guesses are what the draft would say, so a
+    pass that runs them reaches several levels, and the same output takes fewer draft passes."""
+    target, same = load_model(pair[0], "cpu", torch.float32), load_model(pair[0], "cpu", torch.float32)
+    same.output.weight.data *= 50
+    prompt = [1, 5, 9, 33]
+    answer, passes = greedy(target, prompt, 30), {}
+    for staged in (None, Suffix()):
+        if staged is not None:
+            staged.observe(prompt + answer)
+        calls = []
+        sizer = Sizer(cost={16: 1.0})
+        sizer.worth = lambda gain, seconds: True  # every level, whatever it costs
+        step = lambda *a, **k: calls.append(1) or trees.draft_probs(*a, **k)  # noqa: E731
+        proposer = DraftTree(same, step, top_k=2, width=1, depth=6, staged=staged)
+        assert tree_generate(target, prompt, 30, proposer, 16, sizer=sizer, temperature=0).rows[0] == answer
+        passes[staged is not None] = len(calls)
+    assert passes[True] < passes[False] * 0.7, passes
 
 
 def test_a_draft_tree_from_the_target_itself_is_accepted_to_its_full_depth(pair):
@@ -287,16 +316,17 @@ def test_cli_suffix_reports_the_tree_sizes_it_chose(pair, tmp_path):
     assert all(int(n) <= 8 for n in metrics["tree_sizes"]) and len(metrics["samples"][0]["tokens"]) == 16
 
 
-def test_cli_draft_tree_matches_plain_greedy(pair):
+def test_cli_staged_draft_tree_matches_plain_greedy(pair):
     from test_speculative import run_cli
     args = ("--checkpoint_path", pair[0], "--max_new_tokens", 16, "--temperature", 0, "--ignore_eos")
-    tree, plain = run_cli(*args, "--draft_checkpoint_path", pair[1], "--tree"), run_cli(*args)
+    tree, plain = run_cli(*args, "--draft_checkpoint_path", pair[1], "--tree", "--staged"), run_cli(*args)
     assert tree.returncode == 0 and plain.returncode == 0, tree.stderr + plain.stderr
     text = lambda r: r.stdout.split("Sample 1/1")[0]  # noqa: E731  (the load line and the text)
     assert text(tree) == text(plain)
 
 
 @pytest.mark.parametrize("flags, message", [(("--tree",), "--tree needs --draft_checkpoint_path"),
+                                            (("--staged",), "--staged needs --tree"),
                                             (("--suffix", "--lookahead"), "need no other proposer"),
                                             (("--suffix", "--json"), "do not support guided generation")])
 def test_cli_rejects_bad_tree_flags(pair, flags, message):
