@@ -339,7 +339,8 @@ class DraftTree:
             frontier = [tree.add(f, t, s) for s, f, t in grown[: self.width]]  # one block of slots: run next
             leaves += grown[self.width :]
             path = path_to(tree, frontier[0]) if frontier else []
-            if not frontier or len(path) >= self.depth or worth and not worth(sum(s for s, _, _ in grown[: self.width]), self.pass_s):
+            gain = sum(s for s, _, _ in grown[: self.width])
+            if not frontier or len(path) >= self.depth or worth and not worth(gain, self.pass_s):
                 break
             guessed = self.guess_under(tree, frontier[0], path)
             t = time.perf_counter()

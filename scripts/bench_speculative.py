@@ -170,7 +170,8 @@ def main():
     steps, spec_steps = gen.build_steps(args.compile), speculative.build_steps(args.compile)
     tree_steps = trees.build_steps(args.compile)
     longest = max(len(p) for ps in sets.values() for p in ps)
-    length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, trees.DraftTree(draft, staged=trees.Suffix()).room)
+    room = trees.DraftTree(draft, staged=trees.Suffix()).room  # a staged draft tree's cache slots past the root
+    length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, room)
     for m in (model, draft) if draft is not None else (model,):
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
     t0 = time.perf_counter()
