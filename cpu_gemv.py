@@ -41,7 +41,20 @@ PRELUDE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <new>
 #include <vector>
+
+// Scratch on 64-byte boundaries: malloc promises 16, and a 32-byte load that straddles two cache lines costs two.
+// With the vectors wherever malloc put them, the attention at 4k ran 7% slower in some processes than in others.
+template <typename T> struct Aligned64 {
+    typedef T value_type;
+    Aligned64() = default;
+    template <typename U> Aligned64(const Aligned64<U>&) {}
+    T* allocate(size_t n) { return (T*)::operator new(n * sizeof(T), std::align_val_t(64)); }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+    bool operator==(const Aligned64&) const { return true; }
+};
+template <typename T> using vec = std::vector<T, Aligned64<T>>;
 
 static inline float from_bf16(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -111,7 +124,7 @@ static inline float dot(const float* x, const uint16_t* w, int64_t K) {
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
 extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
                           int64_t f32) {
-    std::vector<float> xs(M * K);  // x in fp32 once, in the order lo() and hi() produce the weights
+    vec<float> xs(M * K);  // x in fp32 once, in the order lo() and hi() produce the weights
     for (int64_t i = 0; i < M * K; i += 16)
         for (int j = 0; j < 8; j++) {
             uint32_t l = x[i + (j < 4 ? j : j + 4)], h = x[i + (j < 4 ? j + 4 : j + 8)];
@@ -132,8 +145,8 @@ QUANTIZED = r"""
 // That is what lets the quantized products keep up with memory; the rounding costs about 0.5% per product.
 
 struct XQ {  // one row of x rounded to int8 per block of B: xq, and per block the scale d, d * sum xq, and sum x
-    std::vector<int8_t> q;
-    std::vector<float> d, c, sum;
+    vec<int8_t> q;
+    vec<float> d, c, sum;
 };
 
 // 32 int32 in 4 vectors -> 32 int8 in the same order: the packs work within 128-bit lanes, the permute undoes that
@@ -318,7 +331,7 @@ static void gemm_i8(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* 
 extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
-        std::vector<float> xs(M * K);
+        vec<float> xs(M * K);
         for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++)
@@ -409,7 +422,7 @@ static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t*
     #pragma omp parallel for schedule(dynamic)
     for (int64_t n0 = 0; n0 < N; n0 += NB) {
         const int64_t nb = NB < N - n0 ? NB : N - n0;
-        std::vector<float> f(3 * nb * g8, 0.f);  // per row: scales, 8 x scales, zeros
+        vec<float> f(3 * nb * g8, 0.f);  // per row: scales, 8 x scales, zeros
         for (int64_t n = 0; n < nb; n++)
             for (int64_t g = 0; g < groups; g++) {
                 float sc = from_bf16(scales[(n0 + n) * groups + g]);
@@ -573,7 +586,7 @@ template <int D>
 static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
                          int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
     constexpr int64_t BJ = 4096 / D < CHUNK ? 4096 / D : CHUNK;  // positions per block: 8 KB of K or V
-    static thread_local std::vector<float> sc;
+    static thread_local vec<float> sc;
     int64_t lo = j1, hi = j0;
     for (int64_t s = 0; s < S; s++) {
         const uint8_t* m = mask + s * L;
@@ -589,7 +602,7 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
     if (lo >= hi) return;
     const int64_t n = hi - lo, R8 = (R + 7) / 8 * 8;  // scores [n][R8]: rows past R are padding (q's zero rows)
     sc.resize(n * R8);
-    static thread_local std::vector<float> top;  // each row's highest score, kept as the scores come out
+    static thread_local vec<float> top;  // each row's highest score, kept as the scores come out
     top.assign(R8, -INFINITY);
     // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
     // blocks of K (the same thread's next task, mostly) during the weighted sum
@@ -658,43 +671,46 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks;
     // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
     // there a thread_local name would be each worker's own
-    static thread_local std::vector<float> qf_, parts_;
+    static thread_local vec<float> qf_, parts_;
     qf_.assign(B * H * S * D + 8 * D, 0.f); parts_.resize(tasks * R * (D + 2));  // 8 zero rows: padding
     float *qf = qf_.data(), *parts = parts_.data();
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < B * H * S * D; i++) qf[in16(i)] = from_bf16(q[i]) * scale;
-    #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
-        // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
-        const float* qt = &qf[(b * H + h * G) * S * D];
-        const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
-        const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
-        float* part = &parts[t * R * (D + 2)];
-        switch (D) {
-            case 64: attend_chunk<64>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-            case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-            case 256: attend_chunk<256>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-            case 32: attend_chunk<32>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-            default: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
+    #pragma omp parallel  // one region for the tasks and the merge: a second one cost ~4 us a call
+    {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
+            // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
+            const float* qt = &qf[(b * H + h * G) * S * D];
+            const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
+            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+            float* part = &parts[t * R * (D + 2)];
+            switch (D) {
+                case 64: attend_chunk<64>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+                case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+                case 256: attend_chunk<256>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+                case 32: attend_chunk<32>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
+                default: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
+            }
         }
-    }
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < B * Hkv * R; i++) {  // merge the chunks of each row: weights e^(m_c - max m)
-        int64_t bh = i / R, r = i % R;
-        const float* first = &parts[(bh * chunks) * R * (D + 2) + r * (D + 2)];
-        float m = -INFINITY, l = 0.f;
-        for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, first[c * R * (D + 2)]);
-        float o[256] = {};  // D <= 256
-        for (int64_t c = 0; c < chunks; c++) {
-            const float* pc = first + c * R * (D + 2);
-            if (pc[0] == -INFINITY) continue;
-            float w = expf(pc[0] - m);
-            l += w * pc[1];
-            for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * Hkv * R; i++) {  // merge the chunks of each row: weights e^(m_c - max m)
+            int64_t bh = i / R, r = i % R;
+            const float* first = &parts[(bh * chunks) * R * (D + 2) + r * (D + 2)];
+            float m = -INFINITY, l = 0.f;
+            for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, first[c * R * (D + 2)]);
+            float o[256] = {};  // D <= 256
+            for (int64_t c = 0; c < chunks; c++) {
+                const float* pc = first + c * R * (D + 2);
+                if (pc[0] == -INFINITY) continue;
+                float w = expf(pc[0] - m);
+                l += w * pc[1];
+                for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+            }
+            int64_t b = bh / Hkv, h = bh % Hkv * G + r / S, s = r % S;
+            for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[in16(d)] / l);
         }
-        int64_t b = bh / Hkv, h = bh % Hkv * G + r / S, s = r % S;
-        for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[in16(d)] / l);
     }
 }
 """
@@ -738,7 +754,7 @@ static inline float dot(const float* x, const uint16_t* w, int64_t K) {
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
 extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
                           int64_t f32) {
-    std::vector<xbf16> xs(M * K);
+    vec<xbf16> xs(M * K);
     for (int64_t i = 0; i < M * K; i++) xs[i] = sizeof(xbf16) == 2 ? x[i] : from_bf16(x[i]);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
