@@ -132,6 +132,31 @@ def test_many_rows_of_quantized_layers_go_to_the_kernel_or_to_torchs_gemm_in_the
             assert ((ours(x).double() - exact).norm() / exact.norm()).item() < 1e-2
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
+def test_gate_and_up_become_one_product_with_the_same_outputs(mode):
+    from model import FeedForward, ModelArgs
+    torch.manual_seed(0)
+    ff = FeedForward(ModelArgs(dim=128, intermediate_size=192, n_head=2)).bfloat16()
+    if mode != "bf16":
+        quantize.install(ff, mode, 64)
+        for name in ("w1", "w3", "w2"):
+            w = torch.randn(getattr(ff, name).out_features, getattr(ff, name).in_features)
+            if mode == "int8":
+                getattr(ff, name).weight, getattr(ff, name).scales = quantize.quantize_int8(w)
+            else:
+                q, getattr(ff, name).scales, getattr(ff, name).zeros = quantize.quantize_int4(w, 64)
+                getattr(ff, name).weight = quantize.pack_nibbles(q)
+    w1, w3, w2 = (installed(getattr(ff, name)) for name in ("w1", "w3", "w2"))
+    joined = installed(ff)
+    assert isinstance(joined, cpu_gemv.GateUp) and joined.w13.weight.size(0) == 2 * w1.weight.size(0)
+    for rows in (1, 3, cpu_gemv.MAX_ROWS + 1):  # decode and verification through the kernel; prefill through GEMM
+        x = torch.randn(rows, 128).bfloat16()
+        apart = w2(F.silu(w1(x)) * w3(x))
+        assert torch.equal(joined(x), apart) if rows < cpu_gemv.MAX_ROWS else \
+            ((joined(x) - apart).float().norm() / apart.float().norm()).item() < 1e-2
+
+
 def test_quantized_prefill_takes_the_path_measured_faster_here(monkeypatch):
     for (layer, _), kind in zip(quantized_layers(), ("int8", "int4")):
         for faster in (True, False):
