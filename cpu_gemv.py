@@ -47,7 +47,7 @@ PRELUDE = r"""
 #include <vector>
 
 // Scratch on 64-byte boundaries: malloc promises 16, and a 32-byte load that straddles two cache lines costs two.
-// With the vectors wherever malloc put them, the attention at 4k ran 7% slower in some processes than in others.
+// With the vectors wherever malloc put them, the attention at 4k ran 7-17% slower in some processes than others.
 template <typename T> struct Aligned64 {
     typedef T value_type;
     Aligned64() = default;
