@@ -84,8 +84,10 @@ static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_
 static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
 
 // the weights 1 KB ahead of p (by default), asked for now: with the hardware prefetcher alone a core's one stream of
-// rows read 10-15% slower (measured on the bf16 product). Called once per 64 bytes read, or per 32.
-static inline void ahead(const void* p, int bytes = 1024) { _mm_prefetch((const char*)p + bytes, _MM_HINT_T0); }
+// rows read 10-15% slower (measured on the bf16 product). Called once per 64 bytes read, or per 32. Non-temporal:
+// weights read once a step then only push out what is used again (activations, the cache, the runtime's own data);
+// decoding ran 7% (bf16), 5% (int8) and 3-5% (int4) faster than with the T0 hint, on a Zen 3 CPU.
+static inline void ahead(const void* p, int bytes = 1024) { _mm_prefetch((const char*)p + bytes, _MM_HINT_NTA); }
 
 static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
