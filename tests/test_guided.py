@@ -114,17 +114,17 @@ def test_fifty_random_schemas_give_valid_json_on_the_builtin_model_a_schema_per_
 
 
 @needs_smollm2
-def test_fifty_random_schemas_give_valid_json_on_smollm2(smollm2):
+def test_twenty_five_random_schemas_give_valid_json_on_smollm2(smollm2):
+    # half of the fifty the built-in model gets: one batch, each row under its own schema
     model, tok = load_model(smollm2, torch.device("cpu"), torch.bfloat16), load_tokenizer(smollm2, read_config(smollm2))
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Reply with a JSON object."}]),
                         bos=False, specials=True)
     torch.manual_seed(0)
-    for i in range(0, 50, 25):
-        schemas = SCHEMAS[i : i + 25]
-        result = generate(model, [prompt] * 25, 256, tok.eos_ids, guide=guide(model, tok, schema_grammars(schemas)),
-                          temperature=0.7)
-        assert result.incomplete == []
-        assert_valid(tok, result.rows, schemas)
+    schemas = SCHEMAS[25:50]
+    result = generate(model, [prompt] * 25, 256, tok.eos_ids, guide=guide(model, tok, schema_grammars(schemas)),
+                      temperature=0.7)
+    assert result.incomplete == []
+    assert_valid(tok, result.rows, schemas)
 
 
 def test_sampled_rows_match_a_date_regex_in_full(builtin):
