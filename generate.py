@@ -106,7 +106,7 @@ def compile_step(step: Callable) -> Callable:
     """Compile a decode step whole (no graph breaks), as CUDA graphs on a GPU ("reduce-overhead"). dynamic: one
     compilation serves every cache length kv_bucket picks and every verify length; a CUDA graph is still recorded
     per length, a handful in all. Without a GPU, inductor's C++ wrapper calls the step's kernels: its Python one
-    cost ~1 ms a step, while the other core waits (4% of int4 decoding on TinyLlama's shape). Kernels and wrapper
+    cost ~1 ms a step, while the other core waits (3-4% of int4 decoding on TinyLlama's shape). Kernels and wrapper
     build apart, so the first compile takes no longer (as one file it took twice as long)."""
     if torch.cuda.is_available():
         return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
