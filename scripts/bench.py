@@ -273,7 +273,7 @@ def busy_core() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def peer(args, device, tools: Path, read_bw: float) -> list[dict]:
+def peer(args, device, tools: Path) -> list[dict]:
     """Ours against llama.cpp on the same random checkpoint, per weight format (bf16, int8 vs Q8_0, int4 vs Q4_0):
     decode, prefill and decode at depth, in rounds that alternate the two (A B A B), with and without a busy core."""
     threads = args.threads or torch.get_num_threads()
@@ -292,9 +292,12 @@ def peer(args, device, tools: Path, read_bw: float) -> list[dict]:
             busy = busy_core() if load else None
             try:
                 ours = Child(device, cfg, args.threads)
-                rounds = []
+                rounds, reads = [], []
                 for _ in tqdm(range(args.rounds), desc=f"{weights}{', busy core' if load else ''}", disable=None):
                     a = ours.run()
+                    # the memory's read speed right after each of our rounds: on a shared host it swings by half
+                    # within minutes, and one probe at the start made "% of read" say 57% in one run, 94% in the next
+                    reads.append(read_bandwidth(device, COPY_GIB[device.type == "cuda"]))
                     b = llama_cpp.llama_bench(tools, gguf_path, threads, args.prefill, args.new_tokens)
                     if depth:  # its prefill of the context warms it up
                         b["depth_decode"] = llama_cpp.llama_bench(tools, gguf_path, threads, 0, args.new_tokens, depth,
@@ -310,7 +313,10 @@ def peer(args, device, tools: Path, read_bw: float) -> list[dict]:
                 row[key] = statistics.median(a[key] for a, _ in rounds)
                 row[f"llama_{key}"] = statistics.median(b[key] for _, b in rounds)
                 row[f"{key}_ratio"] = statistics.median(a[key] / b[key] for a, b in rounds)
-            row["pct_read"] = 100 * row["weight_bytes"] * row["decode"] / read_bw
+            row["read_rounds_gb_s"] = [r / 1e9 for r in reads]
+            row["read_gb_s"] = statistics.median(reads) / 1e9
+            row["pct_read"] = statistics.median(100 * row["weight_bytes"] * a["decode"] / r
+                                                for (a, _), r in zip(rounds, reads))
             rows.append(row)
             print_peer(row, header=len(rows) == 1, depth=args.depth, prefill=args.prefill)
     return rows
@@ -319,14 +325,15 @@ def peer(args, device, tools: Path, read_bw: float) -> list[dict]:
 def print_peer(r: dict, header: bool, depth: int, prefill: int):
     if header:
         d = f" | decode at {depth}: ours | llama.cpp | ratio | ours, {depth} vs short" if depth else ""
-        print(f"\n| weights | llama.cpp | CPU | decode tok/s: ours | llama.cpp | ratio | ours GB/s | % of read "
-              f"| prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
-        print("| --- | --- | --- |" + " ---: |" * (8 + (4 if depth else 0)))
+        print(f"\n| weights | llama.cpp | CPU | decode tok/s: ours | llama.cpp | ratio | ours GB/s | read GB/s "
+              f"| % of read | prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
+        print("| --- | --- | --- |" + " ---: |" * (9 + (4 if depth else 0)))
     d = (f" | {r['depth_decode']:.1f} | {r['llama_depth_decode']:.1f} | {r['depth_decode_ratio']:.2f} | "
          f"{100 * r['depth_decode'] / r['decode']:.0f}%" if "depth_decode" in r else " | | | |") if depth else ""
     print(f"| {r['weights']} | {r['theirs']} | {'one core busy' if r['load'] else 'idle'} | {r['decode']:.1f} | "
           f"{r['llama_decode']:.1f} | {r['decode_ratio']:.2f} | {r['weight_bytes'] * r['decode'] / 1e9:.1f} | "
-          f"{r['pct_read']:.0f}% | {r['prefill']:.1f} | {r['llama_prefill']:.1f} | {r['prefill_ratio']:.2f}{d} |",
+          f"{r['read_gb_s']:.1f} | {r['pct_read']:.0f}% | {r['prefill']:.1f} | {r['llama_prefill']:.1f} | "
+          f"{r['prefill_ratio']:.2f}{d} |",
           flush=True)
 
 
@@ -402,7 +409,7 @@ def main():
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.peer:
         tools = args.llama_cpp or llama_cpp.build_llama_cpp(log=lambda m: print(m, file=sys.stderr))
-        rows = peer(args, device, tools, read_bw)
+        rows = peer(args, device, tools)
         results = {"machine": machine, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                    "read_bandwidth_gb_s": read_bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
                    "llama_cpp": llama_cpp.version(tools), "peer_rows": rows}

@@ -72,7 +72,10 @@ def test_bench_peer_alternates_rounds_and_reports_each_ratio(tmp_path):
     assert row["llama_decode"] == 50.0 and row["llama_prefill"] == 100.0 and row["llama_depth_decode"] == 40.0
     ours = sorted(a["decode"] for a, _ in row["rounds"])
     assert row["decode_ratio"] == pytest.approx(sum(ours) / 2 / 50.0) and row["decode_ratio"] > 0
-    assert 0 < row["pct_read"] and row["depth_decode"] > 0
+    assert row["depth_decode"] > 0 and len(row["read_rounds_gb_s"]) == 2  # the memory measured after each round
+    pct = [100 * row["weight_bytes"] * a["decode"] / (r * 1e9) for (a, _), r in zip(row["rounds"],
+                                                                                   row["read_rounds_gb_s"])]
+    assert row["pct_read"] == pytest.approx(sum(pct) / 2) and row["pct_read"] > 0
     calls = [c for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
     assert len(calls) == 4 and "-t" in calls[0]  # two rounds: pp/tg, then tg at depth
     assert "| int8 | Q8_0 | idle |" in result.stdout
