@@ -640,6 +640,32 @@ static inline int64_t out_slot(int64_t D, int64_t d) { return D >= 32 ? in32(d) 
 static inline int64_t out_slot(int64_t, int64_t d) { return in16(d); }
 #endif
 
+// [lo, hi): the positions of [j0, j1) that some row of mask [S, L] attends (lo >= hi: none)
+static inline void span(const uint8_t* mask, int64_t S, int64_t L, int64_t j0, int64_t j1, int64_t* lo, int64_t* hi) {
+    *lo = j1, *hi = j0;
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t* m = mask + s * L;
+        int64_t a = j0, b = j1;
+        while (a < b && !m[a]) a++;
+        while (b > a && !m[b - 1]) b--;
+        if (a < b) *lo = a < *lo ? a : *lo, *hi = b > *hi ? b : *hi;
+    }
+}
+
+// every row sees all of [lo, hi): no masking (a decode step's chunks but maybe the last)
+static inline bool sees_all(const uint8_t* mask, int64_t S, int64_t L, int64_t lo, int64_t hi) {
+    for (int64_t s = 0; s < S; s++)
+        if (memchr(mask + s * L + lo, 0, hi - lo)) return false;
+    return true;
+}
+
+static inline void clear(float* part, int64_t R, int64_t D) {  // R rows that see nothing yet
+    for (int64_t r = 0; r < R; r++) {
+        part[r * (D + 2)] = -INFINITY, part[r * (D + 2) + 1] = 0.f;
+        for (int d = 0; d < D; d++) part[r * (D + 2) + 2 + d] = 0.f;
+    }
+}
+
 // One task: the R = (H / Hkv) * S query rows of one KV head, over cache positions [j0, j1) (k and v point at the
 // head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
 // and the unnormalized output (D values, in out_slot's order) to part [R][D + 2]. Only the span of positions some row
@@ -651,18 +677,9 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
                          int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
     constexpr int64_t BJ = 4096 / D < CHUNK ? 4096 / D : CHUNK;  // positions per block: 8 KB of K or V
     static thread_local vec<float> sc;
-    int64_t lo = j1, hi = j0;
-    for (int64_t s = 0; s < S; s++) {
-        const uint8_t* m = mask + s * L;
-        int64_t a = j0, b = j1;
-        while (a < b && !m[a]) a++;
-        while (b > a && !m[b - 1]) b--;
-        if (a < b) lo = a < lo ? a : lo, hi = b > hi ? b : hi;
-    }
-    for (int64_t r = 0; r < R; r++) {
-        part[r * (D + 2)] = -INFINITY, part[r * (D + 2) + 1] = 0.f;
-        for (int d = 0; d < D; d++) part[r * (D + 2) + 2 + d] = 0.f;
-    }
+    int64_t lo, hi;
+    span(mask, S, L, j0, j1, &lo, &hi);
+    clear(part, R, D);
     if (lo >= hi) return;
     const int64_t n = hi - lo, R8 = (R + 7) / 8 * 8;  // scores [n][R8]: rows past R are padding (q's zero rows)
     sc.resize(n * R8);
@@ -683,8 +700,7 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
             }
             _mm256_storeu_ps(&top[r], m);
         }
-    bool all = true;  // every row sees the whole span: no masking (a decode step's chunks but maybe the last)
-    for (int64_t s = 0; s < S && all; s++) all = !memchr(mask + s * L + lo, 0, hi - lo);
+    const bool all = sees_all(mask, S, L, lo, hi);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int64_t r = 0; r < R8; r += 8) {  // masked to -inf, then e^(s - m): 8 rows at a time
         if (!all)
@@ -726,6 +742,171 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
         }
 }
 
+#ifdef __AVX512BF16__
+// With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
+// instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
+// it, as transformers' eager attention rounds them in a bf16 model. K and V are asked for KV_AHEAD bytes ahead of
+// their reads, into L1: over 4096 positions x 22 layers on a Zen 5, 2 and 8 KB ahead took 2-3% longer, 1 and 16 KB 14%,
+// the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same.
+enum { KV_AHEAD = 4096 };
+
+// 16 vectors of 16 32-bit words transposed in place: afterwards r[p] lane i is what r[i] lane p was
+static inline void transpose16(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int g = 0; g < 16; g += 4)  // r[g + o] lane l: word 4l + o of rows g .. g + 3
+        for (int o = 0; o < 2; o++) {
+            r[g + 2 * o] = _mm512_unpacklo_epi64(t[g + o], t[g + o + 2]);
+            r[g + 2 * o + 1] = _mm512_unpackhi_epi64(t[g + o], t[g + o + 2]);
+        }
+    for (int o = 0; o < 4; o++) {  // the 128-bit lanes of r[o], r[4 + o], r[8 + o], r[12 + o] transposed
+        __m512i p0 = _mm512_shuffle_i32x4(r[o], r[4 + o], 0x44), p1 = _mm512_shuffle_i32x4(r[o], r[4 + o], 0xee);
+        __m512i p2 = _mm512_shuffle_i32x4(r[8 + o], r[12 + o], 0x44), p3 = _mm512_shuffle_i32x4(r[8 + o], r[12 + o], 0xee);
+        t[o] = _mm512_shuffle_i32x4(p0, p2, 0x88), t[4 + o] = _mm512_shuffle_i32x4(p0, p2, 0xdd);
+        t[8 + o] = _mm512_shuffle_i32x4(p1, p3, 0x88), t[12 + o] = _mm512_shuffle_i32x4(p1, p3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+static inline __m512 exp16(__m512 x) {  // exp8 16 lanes at a time
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
+static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return _mm512_set1_epi32(u);
+}
+
+// s[r][j] = scale q_r . k_j for RT rows of bf16 q (D apart) and n positions of K (D apart), s rows ld apart, 16
+// positions at a time: K transposed in registers puts one dimension pair of 16 positions in a vector, which a
+// broadcast pair of q multiplies with one dpbf16 (no sums across lanes). Positions past n (up to a multiple of 16)
+// score -inf. Asks for K `far` bytes ahead unless far is 0.
+template <int D, int RT>
+static inline void qk_bf16(const uint16_t* q, const uint16_t* k, int64_t n, float scale, float* s, int64_t ld,
+                           int64_t far) {
+    for (int64_t j = 0; j < n; j += 16) {
+        if (far)
+            for (int i = 0; i < D / 2; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, _MM_HINT_T0);
+        __m512 acc[RT];
+        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 32) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = j + i < n ? _mm512_loadu_si512(k + (j + i) * D + d) : _mm512_setzero_si512();
+            transpose16(t);
+            for (int p = 0; p < 16; p++)
+                for (int r = 0; r < RT; r++) acc[r] = dp(acc[r], t[p], pair(q + r * D + d + 2 * p));
+        }
+        __mmask16 live = n - j >= 16 ? 0xffff : (1u << (n - j)) - 1;
+        for (int r = 0; r < RT; r++)
+            _mm512_storeu_ps(s + r * ld + j, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, acc[r],
+                                                               _mm512_set1_ps(scale)));
+    }
+}
+
+// o_r += sum_j p[r][j] v_j for RT rows of bf16 weights (ld apart) over n positions of V (D apart), o's rows D + 2
+// apart in in32's order: V's positions j and j + 1 interleaved by one unpack are the pairs dpbf16 multiplies. Asks
+// for V `far` bytes ahead unless far is 0.
+template <int D, int RT>
+static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int64_t n, float* o, int64_t far) {
+    for (int d = 0; d < D; d += 32) {
+        __m512 acc[RT][2];
+        for (int r = 0; r < RT; r++)
+            for (int i = 0; i < 2; i++) acc[r][i] = _mm512_loadu_ps(o + r * (D + 2) + d + 16 * i);
+        for (int64_t j = 0; j < n; j += 2) {
+            if (far && d == 0)
+                for (int i = 0; i < D / 16; i++) _mm_prefetch((const char*)(v + j * D) + far + 64 * i, _MM_HINT_T0);
+            __m512i w0 = _mm512_loadu_si512(v + j * D + d);
+            __m512i w1 = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * D + d) : _mm512_setzero_si512();
+            __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
+            for (int r = 0; r < RT; r++) {
+                __m512i pj = pair(p + r * ld + j);
+                acc[r][0] = dp(acc[r][0], a, pj), acc[r][1] = dp(acc[r][1], b, pj);
+            }
+        }
+        for (int r = 0; r < RT; r++)
+            for (int i = 0; i < 2; i++) _mm512_storeu_ps(o + r * (D + 2) + d + 16 * i, acc[r][i]);
+    }
+}
+
+#define BY8(F, D, n, ...) switch (n) { \
+    case 8: F<D, 8>(__VA_ARGS__); break; case 7: F<D, 7>(__VA_ARGS__); break; case 6: F<D, 6>(__VA_ARGS__); break; \
+    case 5: F<D, 5>(__VA_ARGS__); break; case 4: F<D, 4>(__VA_ARGS__); break; case 3: F<D, 3>(__VA_ARGS__); break; \
+    case 2: F<D, 2>(__VA_ARGS__); break; default: F<D, 1>(__VA_ARGS__); }
+
+// attend_chunk with dpbf16 (D 32 or more), q bf16 and scaled on the scores, reading K and V side by side a block of
+// 8 KB each at a time with the softmax online (as flash attention does): a row's running maximum m, sum l and output
+// are rescaled by e^(m - m') when a block raises m to m'. Two steady streams keep memory busy; with all of K read
+// before all of V, the weighted sum waited on V. Over 4096 positions x 22 layers on a Zen 5 this took 0.69x the
+// time of attend_chunk.
+template <int D>
+static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
+                              const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1,
+                              float* part) {
+    constexpr int64_t BJ = 4096 / D;  // positions per block: 8 KB of K and of V
+    static thread_local vec<float> sc;  // [R][BJ] a block's scores
+    static thread_local vec<uint16_t> pb;  // [R][BJ] and its weights
+    int64_t lo, hi;
+    span(mask, S, L, j0, j1, &lo, &hi);
+    clear(part, R, D);
+    if (lo >= hi) return;
+    sc.resize(R * BJ), pb.resize(R * BJ);
+    const bool all = sees_all(mask, S, L, lo, hi);
+    for (int64_t b = lo; b < hi; b += BJ) {
+        const int64_t nb = BJ < hi - b ? BJ : hi - b;
+        for (int64_t r = 0; r < R; r += 8)
+            BY8(qk_bf16, D, R - r < 8 ? R - r : 8, q + r * D, k + b * D, nb, scale, &sc[r * BJ], BJ, r ? 0 : KV_AHEAD)
+        for (int64_t r = 0; r < R; r++) {
+            float* s = &sc[r * BJ];
+            for (int64_t j = (nb + 15) / 16 * 16; j < BJ; j++) s[j] = -INFINITY;  // past the last block's end
+            if (!all)
+                for (int64_t j = 0; j < nb; j++)
+                    if (!mask[(r % S) * L + b + j]) s[j] = -INFINITY;
+            __m512 top = _mm512_loadu_ps(s);
+            for (int64_t j = 16; j < BJ; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+            float* row = part + r * (D + 2);
+            const float m = fmaxf(row[0], _mm512_reduce_max_ps(top));
+            if (m == -INFINITY) {  // nothing seen yet: weights 0
+                memset(&pb[r * BJ], 0, BJ * 2);
+                continue;
+            }
+            if (m > row[0]) {
+                const float c = expf(row[0] - m);
+                row[0] = m, row[1] *= c;
+                for (int d = 0; d < D; d++) row[2 + d] *= c;
+            }
+            const __m512 m16 = _mm512_set1_ps(m);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < BJ; j += 16) {
+                __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+                sum = _mm512_add_ps(sum, p);
+                _mm256_storeu_si256((__m256i*)&pb[r * BJ + j], (__m256i)_mm512_cvtneps_pbh(p));
+            }
+            row[1] += _mm512_reduce_add_ps(sum);
+        }
+        for (int64_t r = 0; r < R; r += 8)
+            BY8(pv_bf16, D, R - r < 8 ? R - r : 8, &pb[r * BJ], BJ, v + b * D, nb, part + r * (D + 2) + 2,
+                r ? 0 : KV_AHEAD)
+    }
+}
+#endif
+
 // out[B, H, S, D] = softmax(q k^T / sqrt(D) + mask) v, bf16; q [B, H, S, D] contiguous; k and v [B, Hkv, L, D]
 // with rows of D contiguous and strides kb, kh; mask [B, S, L] bytes (nonzero: attend), batch stride mb (0: shared).
 // D one of 64, 128, 256, 32 or 16; H a multiple of Hkv, query head h reading KV head h / (H / Hkv).
@@ -750,6 +931,15 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
             const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
             const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
             float* part = &parts[t * R * (D + 2)];
+#ifdef __AVX512BF16__
+            const uint16_t* qb = &q[(b * H + h * G) * S * D];
+            switch (D) {
+                case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
+                case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
+                case 256: attend_chunk_bf16<256>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
+                case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
+            }
+#endif
             switch (D) {
                 case 64: attend_chunk<64>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
                 case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
