@@ -222,6 +222,9 @@ def serve_peer(cfg: dict):
 
     def one() -> dict:
         out = {}
+        # untimed first, as llama-bench warms up before each measurement: while the other side ran, the OS may have
+        # dropped the weights' pages from its cache (seen on a VM), and a timed step would read them from disk
+        generate(model, [prompt[:1]], 8, steps=steps, temperature=0)
         r = generate(model, [prompt[:1]], n, steps=steps, temperature=0)
         out["decode"] = r.forwards / r.decode_s
         out["prefill"] = cfg["prefill"] / generate(model, [prompt], 1, steps=steps, temperature=0).prefill_s
