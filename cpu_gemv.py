@@ -917,22 +917,30 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
     // there a thread_local name would be each worker's own
     static thread_local vec<float> qf_, parts_;
-    qf_.assign(B * H * S * D + 8 * D, 0.f); parts_.resize(tasks * R * (D + 2));  // 8 zero rows: padding
-    float *qf = qf_.data(), *parts = parts_.data();
+    parts_.resize(tasks * R * (D + 2));
+#ifdef __AVX512BF16__
+    const bool fp32 = D < 32;  // attend_chunk_bf16 reads q as it is
+#else
+    const bool fp32 = true;
+#endif
     const float scale = 1.f / sqrtf((float)D);
-    for (int64_t i = 0; i < B * H * S * D; i++) qf[in16(i)] = from_bf16(q[i]) * scale;
+    if (fp32) {  // q in fp32, scaled, in in16's order, and 8 zero rows: padding
+        qf_.assign(B * H * S * D + 8 * D, 0.f);
+        for (int64_t i = 0; i < B * H * S * D; i++) qf_[in16(i)] = from_bf16(q[i]) * scale;
+    }
+    float *qf = qf_.data(), *parts = parts_.data();
     #pragma omp parallel  // one region for the tasks and the merge: a second one cost ~4 us a call
     {
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
             // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
-            const float* qt = &qf[(b * H + h * G) * S * D];
+            const int64_t q0 = (b * H + h * G) * S * D;
             const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
             const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
             float* part = &parts[t * R * (D + 2)];
 #ifdef __AVX512BF16__
-            const uint16_t* qb = &q[(b * H + h * G) * S * D];
+            const uint16_t* qb = q + q0;
             switch (D) {
                 case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
                 case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
@@ -940,6 +948,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
                 case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); continue;
             }
 #endif
+            const float* qt = qf + q0;
             switch (D) {
                 case 64: attend_chunk<64>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
                 case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
