@@ -180,8 +180,8 @@ static inline void even_odd(int8_t* p) {
     _mm256_storeu_si256((__m256i*)(p + 32), _mm256_permute2x128_si256(h[0], h[1], 0x31));
 }
 
-// even_odd_order (int4): within every 64 values, the 32 at even positions first, then the 32 at odd ones, which is
-// where a 32-byte load of packed weights finds them (its low nibbles, then its high ones)
+// even_odd_order (int4; K a multiple of 64): within every 64 values, the 32 at even positions first, then the 32 at
+// odd ones, which is where a 32-byte load of packed weights finds them (its low nibbles, then its high ones)
 // d, c and sum have zeros after the last block, up to a multiple of 8 blocks.
 static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd_order, XQ& p) {
     const int64_t b8 = (K / B + 7) / 8 * 8;
@@ -207,13 +207,13 @@ static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd_order
             }
             _mm256_storeu_si256((__m256i*)&p.q[b * B + j], pack32(q));
         }
-        if (even_odd_order)
-            for (int64_t j = 0; j < B; j += 64) even_odd(&p.q[b * B + j]);
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         p.d[b] = d; p.c[b] = d * _mm_cvtsi128_si32(s4); p.sum[b] = hsum8(sum);
     }
+    if (even_odd_order)  // by 64 whatever the block: a 32-byte load of weights holds 64 of them (two groups of 32)
+        for (int64_t j = 0; j < K; j += 64) even_odd(&p.q[j]);
 }
 
 // int8 w (scale per row) against x in blocks of 32: |w| times x with w's sign, as maddubs wants unsigned by signed
@@ -233,7 +233,21 @@ static inline float dot_i8(const XQ& p, const int8_t* w, int64_t K) {
     return hsum8(total);
 }
 
-// int4 w = (q - 8) * scale + zero per group of G (64, 128 or 256) along K, two q per byte (low nibble first). A group's
+// 64 packed int4 weights (32 bytes) times 64 int8 x in even-odd order -> 8 int32 sums of 8 products each
+static inline __m256i dot64(const uint8_t* w, const int8_t* x) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    __m256i v = _mm256_loadu_si256((const __m256i*)w);
+    __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    __m256i xe = _mm256_loadu_si256((const __m256i*)x), xo = _mm256_loadu_si256((const __m256i*)(x + 32));
+#ifdef __AVX512VNNI__
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+// int4 w = (q - 8) * scale + zero per group of G (32, 64, 128 or 256) along K, two q per byte (low nibble first). A group's
 // products add up in 16-bit lanes (at most G/64 x 2 x 2 x 15 x 127 < 2^15), or in 32-bit ones with dpbusd; per group
 // sum (q - 8) x ~ d * (sum q xq) - 8 c. The per-group float work is done 8 groups at a time.
 template <int G>
@@ -255,6 +269,15 @@ static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales
                 r += from_bf16(zeros[g]) * p.sum[g] - 8.f * from_bf16(scales[g]) * p.c[g];
             }
             rest = _mm256_add_ps(rest, _mm256_setr_ps(r, 0, 0, 0, 0, 0, 0, 0));
+        }
+        if (G == 32) {  // two groups a load: int32 lanes 0-3 are the first group's, 4-7 the second's
+            for (int64_t g = g0; g < groups && g < g0 + 8; g += 2) {
+                if ((g - g0) % 4 == 0) ahead(w + g * 16, AHEAD4);
+                __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sd[g - g0])),
+                                                _mm_broadcast_ss(&sd[g - g0 + 1]), 1);
+                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(w + g * 16, &p.q[g * 32])), s, total);
+            }
+            continue;
         }
         for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
             const uint8_t* wg = w + g * G / 2;
@@ -391,6 +414,17 @@ static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* p
                 acc[a][b] = _mm256_fmadd_ps(z, _mm256_loadu_ps(&xr[a]->sum[g0]), acc[a][b]);
                 acc[a][b] = _mm256_fnmadd_ps(s8, _mm256_loadu_ps(&xr[a]->c[g0]), acc[a][b]);
             }
+        if (G == 32) {  // two groups a load, as in dot_i4
+            for (int64_t g = g0; g < groups && g < g0 + 8; g += 2)
+                for (int a = 0; a < 2; a++)
+                    for (int b = 0; b < 2; b++) {
+                        __m256 s = _mm256_insertf128_ps(_mm256_set1_ps(per[b][0][g] * xr[a]->d[g]),
+                                                        _mm_set1_ps(per[b][0][g + 1] * xr[a]->d[g + 1]), 1);
+                        __m256i p = dot64(wr[b] + g * 16, &xr[a]->q[g * 32]);
+                        acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[a][b]);
+                    }
+            continue;
+        }
         for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
             __m256i p[2][2];
             for (int a = 0; a < 2; a++)
@@ -457,17 +491,19 @@ static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t*
     }
 }
 
-// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16)
+// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16); K a multiple of 64
 extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ> xq(M);
     #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, true, xq[m]);
     if (M > 1) {
-        if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
+        if (G == 32) gemm_i4<32>(xq, w, scales, zeros, y, M, N, K, f32);
+        else if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
         else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
-    } else if (G == 64) gemv_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
+    } else if (G == 32) gemv_i4<32>(xq, w, scales, zeros, y, M, N, K, f32);
+    else if (G == 64) gemv_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
     else if (G == 128) gemv_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
     else gemv_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
 }
@@ -1067,6 +1103,9 @@ static Tensor gemv_int8(const Tensor& x_, const Tensor& w, const Tensor& scales,
 static Tensor gemv_int4(const Tensor& x_, const Tensor& w, const Tensor& scales, const Tensor& zeros, bool f32) {
     Tensor x = x_.contiguous(), y = out(x, w.size(0), f32);
     int64_t k = 2 * w.size(1);
+    int64_t g = k / scales.size(1);
+    TORCH_CHECK(k % 64 == 0 && g * scales.size(1) == k && (g == 32 || g == 64 || g == 128 || g == 256),
+                "gemv_int4: K ", k, " in groups of ", g, "; K must be a multiple of 64 and a group 32 to 256 long");
     ((void (*)(void*, void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t))K[2])(
         x.data_ptr(), w.data_ptr(), scales.data_ptr(), zeros.data_ptr(), y.data_ptr(), x.numel() / k, w.size(0), k,
         k / scales.size(1), f32);
@@ -1434,7 +1473,7 @@ def replacement(m: nn.Module, dtype: torch.dtype) -> Optional[nn.Module]:
     if w.dtype == torch.uint8 and isinstance(scales, Tensor) and isinstance(zeros, Tensor) and \
             getattr(m, "scales_and_zeros", None) is None:
         groupsize = 2 * w.size(1) // scales.size(1)  # the kernel's 16-bit sums hold a group of at most 256
-        if groupsize % 64 == 0 and groupsize <= 256:
+        if groupsize in (32, 64, 128, 256) and w.size(1) % 32 == 0:  # x is reordered 64 values at a time
             return GemvInt4(m, dtype)
     return None
 

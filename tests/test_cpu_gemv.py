@@ -49,10 +49,13 @@ def test_int8_product_stays_within_a_percent_of_the_scaled_product(kernels, rows
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2
 
 
-# one row: K a multiple of 128 or 64 short of one (the last group alone), every group size; more: tiles of 2 x 2
+# one row: K a multiple of 128 or 64 short of one (the last group alone), every group size (32: GGUF's Q4_0 and
+# Q4_1 blocks, in SmolLM2's 576 and 1536 columns, and a last 8 groups cut short); more: tiles of 2 x 2
 @pytest.mark.parametrize("rows,n,k,groupsize", [(1, 5632, 2048, 128), (1, 7, 192, 64), (1, 5, 64, 64),
                                                 (1, 64, 1024, 256), (1, 33, 2176, 64), (3, 7, 256, 64),
-                                                (8, 1030, 512, 256), (64, 71, 1152, 128), (33, 40, 192, 64)])
+                                                (8, 1030, 512, 256), (64, 71, 1152, 128), (33, 40, 192, 64),
+                                                (1, 960, 576, 32), (1, 9, 1536, 32), (1, 5, 64, 32),
+                                                (5, 40, 576, 32), (2, 3, 320, 32)])
 def test_int4_product_stays_within_a_percent_of_the_dequantized_product(kernels, rows, n, k, groupsize):
     # the kernel rounds x to int8 per group (and the result to bf16): about 0.7% here, against ~10% for int4 itself
     torch.manual_seed(0)
@@ -82,8 +85,8 @@ def test_what_the_kernels_cannot_do_is_left_to_torch():
     assert isinstance(installed(nn.Linear(64, 48, bias=False)), nn.Linear)  # fp32
     assert isinstance(installed(nn.Linear(64, 48, bias=True).bfloat16()), nn.Linear)  # a bias
     assert isinstance(installed(quantize.Int8Linear(48, 40)), quantize.Int8Linear)  # int8 needs K % 32
-    int4 = quantize.Int4Linear(64, 48, 32)  # group size 32: the kernel's groups are 64 to 256
-    q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 64), 32)
+    int4 = quantize.Int4Linear(96, 48, 32)  # the kernel reads 64 weights at a time: K % 64
+    q, int4.scales, int4.zeros = quantize.quantize_int4(torch.randn(48, 96), 32)
     int4.weight = quantize.pack_nibbles(q)
     assert installed(int4) is int4
     layer = installed(nn.Linear(64, 48, bias=False).bfloat16())
