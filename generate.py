@@ -102,16 +102,30 @@ def pick(logits, bits, **sampling):  # logits [B, V], bits [B, W] int32 (a gramm
     return sample(logits, allowed=allowed_tokens(bits, logits.size(-1)), **sampling)
 
 
+# What a compiled step costs before its first kernel runs, paid every step, and on a CPU nothing hides it (on
+# SmolLM2-135M, 30 layers, it was ~1 ms of a 4 ms step):
+# - guards: each step re-checks the model's ~500 tensors; with recursive dict tags, a module none of whose
+#   attributes was reassigned since the compile passes in one check (tensors changed in place are assumed to keep
+#   their dtype, shape and device, as torch's default tag check already assumes);
+# - floats: unspecialized, each RMSNorm's eps became a tensor built from a Python float every step; as constants
+#   they cost nothing (a new temperature compiles the step again, as a new eps would).
+torch._dynamo.config.use_recursive_dict_tags_for_guards = True
+torch._dynamo.config.specialize_float = True
+
+
 def compile_step(step: Callable) -> Callable:
     """Compile a decode step whole (no graph breaks), as CUDA graphs on a GPU ("reduce-overhead"). dynamic: one
     compilation serves every cache length kv_bucket picks and every verify length; a CUDA graph is still recorded
     per length, a handful in all. Without a GPU, inductor's C++ wrapper calls the step's kernels: its Python one
     cost ~1 ms a step, while the other core waits (3-4% of int4 decoding on TinyLlama's shape). Kernels and wrapper
-    build apart, so the first compile takes no longer (as one file it took twice as long)."""
+    build apart, so the first compile takes no longer (as one file it took twice as long). Freezing makes the
+    weights constants of the compiled step rather than ~500 inputs, each wrapped in a handle and its size checked
+    every step; the size checks inside the step go too."""
     if torch.cuda.is_available():
         return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
     return torch.compile(step, fullgraph=True, dynamic=True,
-                         options={"cpp_wrapper": True, "cpp_wrapper_build_separate": True})
+                         options={"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": True,
+                                  "size_asserts": False, "alignment_asserts": False})
 
 
 def compile_prefill(step: Callable) -> Callable:  # dynamic: one compilation serves every prompt length
