@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf
 import torch
 from tqdm import tqdm
 
@@ -276,17 +277,34 @@ def busy_core() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def peer_models(args, tools: Path, cache: int) -> list[tuple[str, Path, Path, str]]:
+    """(our weights, our checkpoint, llama.cpp's GGUF file, its type) per comparison: a random checkpoint of the
+    shape in each weight format and its GGUF (bf16, int8 vs Q8_0, int4 vs Q4_0), or with --gguf a real model's
+    file as llama.cpp reads it and as this project imports it (convert_gguf.py; cached in the work folder)."""
+    if args.gguf:
+        from convert_gguf import convert_gguf, open_gguf
+        ckpt = args.work_dir / f"{args.gguf.stem}-imported"
+        if not (ckpt / "model.safetensors").is_file():
+            convert_gguf(args.gguf, ckpt)
+        if read_config(ckpt).block_size < cache:
+            raise ValueError(f"{args.gguf.name} holds {read_config(ckpt).block_size} tokens of context, fewer than "
+                             f"--prefill, or --depth and --new_tokens, need ({cache}); lower --depth")
+        kind = open_gguf(args.gguf).fields.get("general.file_type")
+        kind = gguf.LlamaFileType(int(kind.parts[-1][0])).name.removeprefix("MOSTLY_") if kind else "GGUF"
+        return [("imported", ckpt, args.gguf, kind)]
+    shape = (args.shapes or ["TinyLlama-1.1B"])[0]
+    return [(weights, checkpoint(shape, weights, args.work_dir, cache),
+             llama_cpp.llama_gguf(tools, checkpoint(shape, "bf16", args.work_dir, cache), weights, args.work_dir),
+             llama_cpp.QUANT[weights]) for weights in args.weights]
+
+
 def peer(args, device, tools: Path) -> list[dict]:
-    """Ours against llama.cpp on the same random checkpoint, per weight format (bf16, int8 vs Q8_0, int4 vs Q4_0):
-    decode, prefill and decode at depth, in rounds that alternate the two (A B A B), with and without a busy core."""
+    """Ours against llama.cpp on the same weights, per weight format (see peer_models): decode, prefill and decode
+    at depth, in rounds that alternate the two (A B A B), with and without a busy core."""
     threads = args.threads or torch.get_num_threads()
     rows = []
-    shape = (args.shapes or ["TinyLlama-1.1B"])[0]
     cache = max(args.prefill, args.depth + 1) + args.new_tokens
-    for weights in args.weights:
-        ckpt = checkpoint(shape, weights, args.work_dir, cache)
-        gguf_path = llama_cpp.llama_gguf(tools, checkpoint(shape, "bf16", args.work_dir, cache), weights,
-                                         args.work_dir)
+    for weights, ckpt, gguf_path, theirs in peer_models(args, tools, cache):
         for load in ([False, True] if args.background_load else [False]):
             # the long context only on an idle machine: llama-bench prefills it again every round, minutes here
             depth = 0 if load else args.depth
@@ -310,7 +328,7 @@ def peer(args, device, tools: Path) -> list[dict]:
             finally:
                 if busy:
                     busy.kill()
-            row = dict(weights=weights, theirs=llama_cpp.QUANT[weights], load=load, rounds=rounds,
+            row = dict(weights=weights, theirs=theirs, load=load, rounds=rounds,
                        weight_bytes=ours.info["weight_bytes"], kernels=ours.info["kernels"])
             for key in rounds[0][0]:
                 row[key] = statistics.median(a[key] for a, _ in rounds)
@@ -372,6 +390,8 @@ def main():
                    "prefill and decode at --depth, in alternating rounds; llama.cpp is built once from the "
                    "llama-cpp-python source package unless --llama_cpp names a build")
     p.add_argument("--llama_cpp", type=Path, help="a folder holding llama-bench and llama-quantize")
+    p.add_argument("--gguf", type=Path, help="--peer: a real model's GGUF file instead of random weights; llama.cpp "
+                   "runs the file, this project its import by convert_gguf.py (int4 from Q4_0/Q4_1, int8 from Q8_0)")
     p.add_argument("--rounds", type=cli.positive_int, default=3, help="--peer: rounds of ours then llama.cpp; "
                    "medians are reported, and the median of the per-round ratios")
     p.add_argument("--prefill", type=cli.positive_int, default=512, help="--peer: prompt tokens for the prefill speed")
@@ -388,6 +408,8 @@ def main():
     args.threads = cli.set_threads(args.threads) if device.type == "cpu" else args.threads
     if args.depth < 0:
         cli.fail(f"--depth must be 0 or more, got {args.depth}")
+    if args.gguf and not args.peer:
+        cli.fail("--gguf is for --peer llama.cpp: the grid runs random weights of named shapes")
     if args.serve:
         return serve_peer(json.loads(args.serve))
     if args.one:

@@ -79,3 +79,27 @@ def test_bench_peer_alternates_rounds_and_reports_each_ratio(tmp_path):
     calls = [c for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
     assert len(calls) == 4 and "-t" in calls[0]  # two rounds: pp/tg, then tg at depth
     assert "| int8 | Q8_0 | idle |" in result.stdout
+
+
+def test_bench_peer_runs_a_gguf_file_in_llama_cpp_and_its_import_in_ours(tmp_path):
+    import gguf
+    from conftest import write_tiny_gguf
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", linear_type=gguf.GGMLQuantizationType.Q4_1)
+    tools, out = fake_llama_cpp(tmp_path / "bin"), tmp_path / "peer.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--peer", "llama.cpp", "--llama_cpp",
+                             str(tools), "--gguf", str(model), "--rounds", "1", "--prefill", "16", "--depth", "32",
+                             "--new_tokens", "8", "--work_dir", str(tmp_path / "work"), "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(out.read_text())["peer_rows"][0]
+    assert row["weights"] == "imported" and row["decode"] > 0 and row["depth_decode"] > 0
+    _, quantization, _ = read_checkpoint(tmp_path / "work" / "tiny-imported")
+    assert quantization == ("int4", 32)  # Q4_1's blocks of 32, as imported
+    calls = [c for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
+    assert calls and all(c.split()[1] == str(model) for c in calls)  # llama.cpp reads the file itself
+
+
+def test_bench_gguf_without_peer_is_one_line_error(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--gguf", str(tmp_path / "m.gguf"),
+                             "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1 and "--peer" in result.stderr
