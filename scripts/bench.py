@@ -8,7 +8,8 @@ transformers on the same shapes beside them; and a short context in a 2k and a 3
 of ours is followed by the same generation under a JSON schema, and a table compares the two. Each configuration
 measures the copy bandwidth again right after its runs, and its "% of copy" is against that. It prints Markdown
 tables, writes JSON, and saves a PNG plot when matplotlib is installed. With --peer llama.cpp it runs instead the
-same random checkpoint in this project and in llama.cpp (see scripts/llama_cpp.py), in alternating rounds."""
+same random checkpoint in this project and in llama.cpp (see scripts/llama_cpp.py), in alternating rounds; with
+--gguf too, a real model's GGUF file in llama.cpp and its import in this project."""
 import argparse
 import itertools
 import json
