@@ -288,8 +288,8 @@ def peer_models(args, tools: Path, cache: int) -> list[tuple[str, Path, Path, st
         if not (ckpt / "model.safetensors").is_file():
             convert_gguf(args.gguf, ckpt)
         if read_config(ckpt).block_size < cache:
-            raise ValueError(f"{args.gguf.name} holds {read_config(ckpt).block_size} tokens of context, fewer than "
-                             f"--prefill, or --depth and --new_tokens, need ({cache}); lower --depth")
+            raise ValueError(f"{args.gguf.name} holds {read_config(ckpt).block_size} tokens of context; --prefill, or "
+                             f"--depth plus --new_tokens, need {cache}: lower them")
         kind = open_gguf(args.gguf).fields.get("general.file_type")
         kind = gguf.LlamaFileType(int(kind.parts[-1][0])).name.removeprefix("MOSTLY_") if kind else "GGUF"
         return [("imported", ckpt, args.gguf, kind)]
@@ -411,6 +411,8 @@ def main():
         cli.fail(f"--depth must be 0 or more, got {args.depth}")
     if args.gguf and not args.peer:
         cli.fail("--gguf is for --peer llama.cpp: the grid runs random weights of named shapes")
+    if args.gguf and not args.gguf.is_file():  # before llama.cpp is built, which takes minutes
+        cli.fail(f"--gguf {args.gguf} {'is not a file' if args.gguf.exists() else 'not found'}")
     if args.serve:
         return serve_peer(json.loads(args.serve))
     if args.one:

@@ -103,3 +103,11 @@ def test_bench_gguf_without_peer_is_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--gguf", str(tmp_path / "m.gguf"),
                              "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1 and "--peer" in result.stderr
+
+
+def test_bench_gguf_that_is_missing_is_one_line_error_before_any_build(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--peer", "llama.cpp", "--gguf",
+                             str(tmp_path / "m.gguf"), "--json", str(tmp_path / "b.json")], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1 and "m.gguf not found" in lines[0]
