@@ -133,6 +133,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_new_tokens", type=cli.positive_int, default=512, help="the longest reply")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context, in tokens, kept in the KV cache "
                    "(default: the model's, at most 4096)")
+    generate.add_kv_cache_option(p)
     p.add_argument("--temperature", type=cli.finite_float, default=0.7, help="0 is greedy (exact argmax)")
     p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample among the k most likely tokens")
     p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample among the most likely tokens that "
@@ -176,7 +177,7 @@ def load(args):
     args.batch_size = 1
     guide = generate.make_guide(args, tokenizer, config.vocab_size)  # every reply matches it
     model = checkpoint.load_model(args.checkpoint_path, device, dtype, args.cpu_kernels)
-    model.setup_caches(1, length)
+    model.setup_caches(1, length, generate.KV_DTYPES[args.kv_cache_dtype])
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     loop = speculative.speculative_loop(args, model, [[0]], None, guide, **sampling)
     kernels = f"; {cpu_gemv.describe(model)}" if device.type == "cpu" else ""

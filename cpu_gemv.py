@@ -14,7 +14,8 @@ The C++ below is compiled once with g++ for the CPU's instruction set into ~/.ca
 through torch ops written in C++ (GLUE, built against this torch), so that torch.compile keeps them in the graph
 and calls them with no Python in between. install(model) replaces a bf16 model's linear layers (and quantize.py's
 int8 and int4 layers, recognised by their tensors) with layers that send products of few rows here, and joins each
-feed-forward's gate and up layers into one product. Products of many rows (prefill) go to torch's GEMM, in bf16 or
+feed-forward's gate and up layers into one product; model.py's attention for a few query rows (decode) runs here
+too, over a bf16 KV cache or (with AVX512-VNNI) an int8 one. Products of many rows (prefill) go to torch's GEMM, in bf16 or
 in fp32, whichever a measurement on this machine found faster; those of int8 and int4 layers to their kernel
 instead, in tiles, where that measured faster still. Without a compiler or a known instruction set, one line on
 stderr says so and torch's kernels stay."""
@@ -543,7 +544,7 @@ extern "C" void dequantize_int4(const uint8_t* w, const uint16_t* scales, const 
         }
 }
 
-// ---- attention for a few query rows (decode, verification) over the bf16 KV cache --------------------------------
+// ---- attention for a few query rows (decode, verification) over the KV cache (bf16; int8 further down) -----------
 // torch's CPU attention costs ~0.2 ms a layer at any context and ~10 ms at 4k; this one streams K and V once per KV
 // head for all the query rows that share it (grouped-query attention), split along the context so that every core
 // has work, as flash-decoding does, and merges the parts with their softmax maxima.
@@ -779,14 +780,7 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
         }
 }
 
-#ifdef __AVX512BF16__
-// With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
-// instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
-// it, as transformers' eager attention rounds them in a bf16 model. K and V are asked for KV_AHEAD bytes ahead of
-// their reads, into L1: over 4096 positions x 22 layers on a Zen 5, 2 and 8 KB ahead took 2-3% longer, 1 and 16 KB 14%,
-// the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same.
-enum { KV_AHEAD = 4096 };
-
+#ifdef __AVX512F__
 // 16 vectors of 16 32-bit words transposed in place: afterwards r[p] lane i is what r[i] lane p was
 static inline void transpose16(__m512i* r) {
     __m512i t[16];
@@ -823,6 +817,37 @@ static inline __m512 exp16(__m512 x) {  // exp8 16 lanes at a time
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
+
+
+// One row's scores over a block of positions (nb of BJ in s): those past nb, and those its mask row m hides (m null:
+// none), set to -inf. Returns their maximum.
+static inline float masked_max(float* s, int64_t nb, int64_t BJ, const uint8_t* m) {
+    for (int64_t j = (nb + 15) / 16 * 16; j < BJ; j++) s[j] = -INFINITY;
+    if (m)
+        for (int64_t j = 0; j < nb; j++)
+            if (!m[j]) s[j] = -INFINITY;
+    __m512 top = _mm512_loadu_ps(s);
+    for (int64_t j = 16; j < BJ; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+    return _mm512_reduce_max_ps(top);
+}
+
+// A row's running maximum row[0] raised to m, its sum row[1] and output row[2..] rescaled by e^(row[0] - m)
+static inline void raise_max(float* row, float m, int64_t D) {
+    if (m > row[0]) {
+        const float c = expf(row[0] - m);
+        row[0] = m, row[1] *= c;
+        for (int64_t d = 0; d < D; d++) row[2 + d] *= c;
+    }
+}
+#endif
+
+#ifdef __AVX512BF16__
+// With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
+// instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
+// it, as transformers' eager attention rounds them in a bf16 model. K and V are asked for KV_AHEAD bytes ahead of
+// their reads, into L1: over 4096 positions x 22 layers on a Zen 5, 2 and 8 KB ahead took 2-3% longer, 1 and 16 KB 14%,
+// the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same.
+enum { KV_AHEAD = 4096 };
 
 static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     uint32_t u;
@@ -911,23 +936,14 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
             BY8(qk_bf16, D, R - r < 8 ? R - r : 8, q + r * D, k + b * D, nb, scale, &sc[r * BJ], BJ, r ? 0 : KV_AHEAD)
         for (int64_t r = 0; r < R; r++) {
             float* s = &sc[r * BJ];
-            for (int64_t j = (nb + 15) / 16 * 16; j < BJ; j++) s[j] = -INFINITY;  // past the last block's end
-            if (!all)
-                for (int64_t j = 0; j < nb; j++)
-                    if (!mask[(r % S) * L + b + j]) s[j] = -INFINITY;
-            __m512 top = _mm512_loadu_ps(s);
-            for (int64_t j = 16; j < BJ; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+            const float bm = masked_max(s, nb, BJ, all ? nullptr : mask + (r % S) * L + b);
             float* row = part + r * (D + 2);
-            const float m = fmaxf(row[0], _mm512_reduce_max_ps(top));
+            const float m = fmaxf(row[0], bm);
             if (m == -INFINITY) {  // nothing seen yet: weights 0
                 memset(&pb[r * BJ], 0, BJ * 2);
                 continue;
             }
-            if (m > row[0]) {
-                const float c = expf(row[0] - m);
-                row[0] = m, row[1] *= c;
-                for (int d = 0; d < D; d++) row[2 + d] *= c;
-            }
+            raise_max(row, m, D);
             const __m512 m16 = _mm512_set1_ps(m);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < BJ; j += 16) {
@@ -943,6 +959,31 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
     }
 }
 #endif
+
+// Inside a parallel region: out [B, H, S, D] bf16 from the chunks' parts, each row's chunks weighted by e^(m_c - max m);
+// slot(D, d): where the parts keep dimension d
+template <int64_t (*slot)(int64_t, int64_t)>
+static void merge(const float* parts, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t D,
+                  int64_t chunks) {
+    const int64_t G = H / Hkv, R = G * S;
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < B * Hkv * R; i++) {  // merge the chunks of each row: weights e^(m_c - max m)
+        int64_t bh = i / R, r = i % R;
+        const float* first = &parts[(bh * chunks) * R * (D + 2) + r * (D + 2)];
+        float m = -INFINITY, l = 0.f;
+        for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, first[c * R * (D + 2)]);
+        float o[256] = {};  // D <= 256
+        for (int64_t c = 0; c < chunks; c++) {
+            const float* pc = first + c * R * (D + 2);
+            if (pc[0] == -INFINITY) continue;
+            float w = expf(pc[0] - m);
+            l += w * pc[1];
+            for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+        }
+        int64_t b = bh / Hkv, h = bh % Hkv * G + r / S, s = r % S;
+        for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[slot(D, d)] / l);
+    }
+}
 
 // out[B, H, S, D] = softmax(q k^T / sqrt(D) + mask) v, bf16; q [B, H, S, D] contiguous; k and v [B, Hkv, L, D]
 // with rows of D contiguous and strides kb, kh; mask [B, S, L] bytes (nonzero: attend), batch stride mb (0: shared).
@@ -994,25 +1035,212 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
                 default: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
             }
         }
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < B * Hkv * R; i++) {  // merge the chunks of each row: weights e^(m_c - max m)
-            int64_t bh = i / R, r = i % R;
-            const float* first = &parts[(bh * chunks) * R * (D + 2) + r * (D + 2)];
-            float m = -INFINITY, l = 0.f;
-            for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, first[c * R * (D + 2)]);
-            float o[256] = {};  // D <= 256
-            for (int64_t c = 0; c < chunks; c++) {
-                const float* pc = first + c * R * (D + 2);
-                if (pc[0] == -INFINITY) continue;
-                float w = expf(pc[0] - m);
-                l += w * pc[1];
-                for (int64_t d = 0; d < D; d++) o[d] += w * pc[2 + d];
+        merge<out_slot>(parts, out, B, H, Hkv, S, D, chunks);
+    }
+}
+
+#ifdef __AVX512VNNI__
+// An int8 KV cache: K and V rounded per position and head to int8 with a float scale, half the bytes of bf16. The
+// scores multiply q, rounded to int8 per row, by K with dpbusd, 64 products an instruction (dpbf16 does 32), and the
+// weighted sum rounds the block's weights e^(s - m) times V's scales to 8 bits per row, for dpbusd again. Fewer
+// instructions as well as fewer bytes: the bf16 kernel above was already bound by its instructions at 4k positions.
+// K is asked for KV_AHEAD8 bytes ahead of the scores, and V during the scores, as the same positions of K are read:
+// over 4096 positions x 22 layers on a Zen 5, 0.86x the time of asking for V during the weighted sum, 4 KB ahead.
+enum { KV_AHEAD8 = 8192 };
+
+// e^x to about 4e-5 (a degree-4 polynomial): the weights are rounded to 8 bits after it. x = -inf is not allowed.
+static inline __m512 exp16_rough(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24), r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512i bcast4(const uint8_t* p) {  // four bytes, broadcast
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return _mm512_set1_epi32(u);
+}
+
+// s[r][j] = qs[r] ks[j] q_r . k_j for RT rows of q + 128 (uint8, D apart, so that dpbusd's unsigned operand is q) and
+// n positions of int8 K (D apart), 16 positions at a time, K transposed in registers as in qk_bf16; the 128 sum(k_j)
+// the offset adds is taken off, counted by one more dpbusd. Positions past n score -inf.
+template <int D, int RT>
+static inline void qk_int8(const uint8_t* q, const float* qs, const int8_t* k, const float* ks, int64_t n, float* s,
+                           int64_t ld, int64_t far, const int8_t* v) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t j = 0; j < n; j += 16) {
+        if (far)
+            for (int i = 0; i < D / 4; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, _MM_HINT_T0);
+        if (far)
+            for (int i = 0; i < D / 4; i++) _mm_prefetch((const char*)(v + j * D) + 64 * i, _MM_HINT_T0);
+        __m512i acc[RT], sum = _mm512_setzero_si512();
+        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_si512();
+        for (int d = 0; d < D; d += 64) {
+            __m512i t[16];
+            for (int i = 0; i < 16; i++)
+                t[i] = j + i < n ? _mm512_loadu_si512(k + (j + i) * D + d) : _mm512_setzero_si512();
+            transpose16(t);  // t[p] lane i: dimensions d + 4p .. d + 4p + 3 of position j + i
+            for (int p = 0; p < 16; p++) {
+                sum = _mm512_dpbusd_epi32(sum, ones, t[p]);
+                for (int r = 0; r < RT; r++) acc[r] = _mm512_dpbusd_epi32(acc[r], bcast4(q + r * D + d + 4 * p), t[p]);
             }
-            int64_t b = bh / Hkv, h = bh % Hkv * G + r / S, s = r % S;
-            for (int64_t d = 0; d < D; d++) out[((b * H + h) * S + s) * D + d] = to_bf16(o[out_slot(D, d)] / l);
+        }
+        __mmask16 live = n - j >= 16 ? 0xffff : (1u << (n - j)) - 1;
+        const __m512 scale = _mm512_maskz_loadu_ps(live, ks + j);
+        const __m512i fix = _mm512_slli_epi32(sum, 7);
+        for (int r = 0; r < RT; r++) {
+            __m512 x = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], fix));
+            _mm512_storeu_ps(s + r * ld + j, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, x,
+                                                               _mm512_mul_ps(scale, _mm512_set1_ps(qs[r]))));
         }
     }
 }
+
+// o_r += ws[r] sum_j w[r][j] v_j for RT rows of uint8 weights (ld apart, zero from n to a multiple of 4) over n
+// positions of int8 V (D apart): four positions' bytes interleaved by two unpacks are what dpbusd sums in a lane.
+// o (rows D + 2 apart) keeps dimension d + 16l + 4m + i at d + 16m + 4l + i in each 64 (see slot8).
+template <int D, int RT>
+static inline void pv_int8(const uint8_t* w, int64_t ld, const float* ws, const int8_t* v, int64_t n, float* o) {
+    for (int h = 0; h < 2 * D / 64; h++) {  // a half of 64 dimensions: the unpacks it needs, for every row
+        const int d = h / 2 * 64;
+        __m512i acc[RT][2];
+        for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+        for (int64_t j = 0; j < n; j += 4) {
+            __m512i x[4];
+            for (int i = 0; i < 4; i++)
+                x[i] = j + i < n ? _mm512_loadu_si512(v + (j + i) * D + d) : _mm512_setzero_si512();
+            __m512i a, c;
+            if (h % 2 == 0) a = _mm512_unpacklo_epi8(x[0], x[1]), c = _mm512_unpacklo_epi8(x[2], x[3]);
+            else a = _mm512_unpackhi_epi8(x[0], x[1]), c = _mm512_unpackhi_epi8(x[2], x[3]);
+            const __m512i lo = _mm512_unpacklo_epi16(a, c), hi = _mm512_unpackhi_epi16(a, c);
+            for (int r = 0; r < RT; r++) {
+                const __m512i wr = bcast4(w + r * ld + j);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], wr, lo), acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], wr, hi);
+            }
+        }
+        for (int r = 0; r < RT; r++)
+            for (int m = 0; m < 2; m++) {
+                float* op = o + r * (D + 2) + d + 16 * (2 * (h % 2) + m);
+                _mm512_storeu_ps(op, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_set1_ps(ws[r]),
+                                                     _mm512_loadu_ps(op)));
+            }
+    }
+}
+
+static inline int64_t slot8(int64_t, int64_t d) {  // where pv_int8 keeps dimension d
+    const int64_t e = d % 64;
+    return d - e + (e % 16 / 4) * 16 + e / 16 * 4 + e % 4;
+}
+
+// attend_chunk_bf16 over an int8 cache: q as q + 128 in uint8 with qs its scales (times 1/sqrt(D)), K and V with a
+// scale per position (ks, vs). Blocks of 8 KB of K and of V, the softmax online.
+template <int D>
+static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k, const float* ks, const int8_t* v,
+                              const float* vs, const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0,
+                              int64_t j1, float* part) {
+    constexpr int64_t BJ = 8192 / D;
+    static thread_local vec<float> sc;  // [R][BJ] a block's scores, then its weights times V's scales
+    static thread_local vec<uint8_t> pb;  // [R][BJ] those rounded to 8 bits
+    static thread_local vec<float> pw, vsb;  // [R] and their scales; [BJ] the block's V scales, 0 past its end
+    int64_t lo, hi;
+    span(mask, S, L, j0, j1, &lo, &hi);
+    clear(part, R, D);
+    if (lo >= hi) return;
+    sc.resize(R * BJ), pb.resize(R * BJ), pw.resize(R), vsb.resize(BJ);
+    const bool all = sees_all(mask, S, L, lo, hi);
+    for (int64_t b = lo; b < hi; b += BJ) {
+        const int64_t nb = BJ < hi - b ? BJ : hi - b;
+        for (int64_t r = 0; r < R; r += 8)
+            BY8(qk_int8, D, R - r < 8 ? R - r : 8, q + r * D, qs + r, k + b * D, ks + b, nb, &sc[r * BJ], BJ,
+                r ? 0 : KV_AHEAD8, v + b * D)
+        __m512 vbig = _mm512_setzero_ps();
+        for (int64_t j = 0; j < BJ; j += 16) {
+            __m512 x = _mm512_maskz_loadu_ps(nb - j >= 16 ? 0xffff : nb > j ? (1u << (nb - j)) - 1 : 0, vs + b + j);
+            vbig = _mm512_max_ps(vbig, x);
+            _mm512_storeu_ps(&vsb[j], x);
+        }
+        const float vtop = _mm512_reduce_max_ps(vbig);
+        for (int64_t r = 0; r < R; r++) {
+            float* s = &sc[r * BJ];
+            const float bm = masked_max(s, nb, BJ, all ? nullptr : mask + (r % S) * L + b);
+            float* row = part + r * (D + 2);
+            const float m = fmaxf(row[0], bm);
+            pw[r] = 0.f;
+            if (m == -INFINITY) {  // nothing seen yet: weights 0
+                memset(&pb[r * BJ], 0, BJ);
+                continue;
+            }
+            raise_max(row, m, D);
+            // every weight times its V scale is at most e^(bm - m) times the block's largest V scale: that bound
+            // is 255, so the weights are rounded as they come out, in one pass
+            const float bound = expf(bm - m) * vtop;
+            const __m512 m16 = _mm512_set1_ps(m), f = _mm512_set1_ps(bound > 0.f ? 255.f / bound : 0.f);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t j = 0; j < BJ; j += 16) {
+                __m512 p = exp16_rough(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+                sum = _mm512_add_ps(sum, p);
+                __m512 w = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_loadu_ps(&vsb[j])), f);
+                _mm_storeu_si128((__m128i*)&pb[r * BJ + j], _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(w)));
+            }
+            row[1] += _mm512_reduce_add_ps(sum);
+            pw[r] = bound / 255.f;
+        }
+        for (int64_t r = 0; r < R; r += 8)
+            BY8(pv_int8, D, R - r < 8 ? R - r : 8, &pb[r * BJ], BJ, &pw[r], v + b * D, nb, part + r * (D + 2) + 2)
+    }
+}
+
+// attend() over an int8 cache: k and v [B, Hkv, L, D] int8 (strides kb, kh), their scales [B, Hkv, L] float (strides
+// sb, sh); D 64, 128 or 256.
+extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks, const int8_t* v, const float* vs,
+                            const uint8_t* mask, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
+                            int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t sb, int64_t sh, int64_t mb) {
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks, rows = B * H * S;
+    static thread_local vec<float> parts_, qs_;
+    static thread_local vec<uint8_t> q8_;
+    parts_.resize(tasks * R * (D + 2)), qs_.resize(rows), q8_.resize(rows * D);
+    auto widen = [](const uint16_t* p) {  // 16 bf16 as fp32
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    };
+    for (int64_t i = 0; i < rows; i++) {  // q rounded to int8 per row, offset by 128
+        __m512 big = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) big = _mm512_max_ps(big, _mm512_abs_ps(widen(q + i * D + d)));
+        const float top = _mm512_reduce_max_ps(big);
+        const __m512 f = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512i x = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(widen(q + i * D + d), f)), _mm512_set1_epi32(128));
+            _mm_storeu_si128((__m128i*)&q8_[i * D + d], _mm512_cvtusepi32_epi8(x));
+        }
+        qs_[i] = top / 127.f / sqrtf((float)D);
+    }
+    float *parts = parts_.data(), *qs = qs_.data();
+    const uint8_t* q8 = q8_.data();
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
+            const int64_t q0 = (b * H + h * G) * S;  // the group's first query row
+            const int8_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
+            const float *kst = ks + b * sb + h * sh, *vst = vs + b * sb + h * sh;
+            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+            float* part = &parts[t * R * (D + 2)];
+            switch (D) {
+                case 64: attend_chunk_int8<64>(q8 + q0 * D, qs + q0, kt, kst, vt, vst, mask + b * mb, S, L, R, j0, j1, part); break;
+                case 128: attend_chunk_int8<128>(q8 + q0 * D, qs + q0, kt, kst, vt, vst, mask + b * mb, S, L, R, j0, j1, part); break;
+                default: attend_chunk_int8<256>(q8 + q0 * D, qs + q0, kt, kst, vt, vst, mask + b * mb, S, L, R, j0, j1, part);
+            }
+        }
+        merge<slot8>(parts, out, B, H, Hkv, S, D, chunks);
+    }
+}
+#endif
 """
 
 AVX512 = r"""
@@ -1073,8 +1301,8 @@ GLUE = r"""
 #include <torch/library.h>
 
 using at::Tensor;
-static void* K[5];  // gemv_bf16, gemv_int8, gemv_int4, dequantize_int4, attend of the loaded set
-extern "C" void set_kernels(void** k) { for (int i = 0; i < 5; i++) K[i] = k[i]; }
+static void* K[6];  // gemv_bf16, gemv_int8, gemv_int4, dequantize_int4, attend, attend_int8 (or null) of the loaded set
+extern "C" void set_kernels(void** k) { for (int i = 0; i < 6; i++) K[i] = k[i]; }
 
 static Tensor out(const Tensor& x, int64_t n, bool f32) {  // [..., n], bf16 or float32
     auto shape = x.sizes().vec();
@@ -1134,12 +1362,27 @@ static Tensor attend(const Tensor& q_, const Tensor& k, const Tensor& v, const T
     return y;
 }
 
+// attend() over an int8 cache: k and v [B, Hkv, L, D] int8, their scales [B, Hkv, L] float32 (slices of the cache)
+static Tensor attend_int8(const Tensor& q_, const Tensor& k, const Tensor& ks, const Tensor& v, const Tensor& vs,
+                          const Tensor& mask) {
+    TORCH_CHECK(K[5], "attend_int8: the loaded kernel set has no int8 attention (it needs AVX512-VNNI)");
+    Tensor q = q_.contiguous();
+    int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), L = k.size(2);
+    Tensor m = mask.expand({B, 1, S, L}), y = at::empty(q.sizes(), q.options());
+    ((void (*)(void*, void*, void*, void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+               int64_t, int64_t, int64_t, int64_t, int64_t))K[5])(
+        q.data_ptr(), k.data_ptr(), ks.data_ptr(), v.data_ptr(), vs.data_ptr(), m.data_ptr(), y.data_ptr(), B, H,
+        k.size(1), S, L, D, k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), m.stride(0));
+    return y;
+}
+
 TORCH_LIBRARY_IMPL(fast_decode, CPU, m) {
     m.impl("gemv_bf16", gemv_bf16);
     m.impl("gemv_int8", gemv_int8);
     m.impl("gemv_int4", gemv_int4);
     m.impl("dequantize_int4", dequantize_int4);
     m.impl("attend", attend);
+    m.impl("attend_int8", attend_int8);
 }
 """
 
@@ -1236,8 +1479,9 @@ def load(name: Optional[str] = None) -> Optional[str]:
         global _glue
         _lib, kernels = build(*chosen[0][1:]), chosen[0][0]
         _glue = _glue or build_glue()
-        names = ("gemv_bf16", "gemv_int8", "gemv_int4", "dequantize_int4", "attend")
-        _glue.set_kernels((ctypes.c_void_p * 5)(*[ctypes.cast(getattr(_lib, n), ctypes.c_void_p) for n in names]))
+        names = ("gemv_bf16", "gemv_int8", "gemv_int4", "dequantize_int4", "attend", "attend_int8")
+        _glue.set_kernels((ctypes.c_void_p * 6)(*[ctypes.cast(getattr(_lib, n), ctypes.c_void_p)
+                                                  if hasattr(_lib, n) else None for n in names]))
         return kernels
     except FileNotFoundError:
         why = f"no C++ compiler ({os.environ.get('CXX', 'g++')} not found)"
@@ -1260,6 +1504,7 @@ _ops.define("gemv_bf16(Tensor x, Tensor w, bool f32=False) -> Tensor")
 _ops.define("gemv_int8(Tensor x, Tensor w, Tensor scales, bool f32=False) -> Tensor")
 _ops.define("gemv_int4(Tensor x, Tensor w, Tensor scales, Tensor zeros, bool f32=False) -> Tensor")
 _ops.define("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
+_ops.define("attend_int8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor mask) -> Tensor")
 _ops.define("dequantize_int4(Tensor w, Tensor scales, Tensor zeros, bool f32) -> Tensor")
 
 
@@ -1287,6 +1532,11 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("fast_decode::attend_int8")
+def _(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, mask: Tensor) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("fast_decode::dequantize_int4")
 def _(w: Tensor, scales: Tensor, zeros: Tensor, f32: bool) -> Tensor:
     return w.new_empty(w.size(0), 2 * w.size(1), dtype=torch.float32 if f32 else torch.bfloat16)
@@ -1311,6 +1561,21 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is
             and not (torch.is_grad_enabled() and q.requires_grad)):
         return torch.ops.fast_decode.attend(q, k, v, attn_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+
+def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
+              enable_gqa: bool) -> Tensor:
+    """model.sdpa_int8 (attention over an int8 cache), with a few query rows through attend_int8() where this CPU
+    has AVX512-VNNI; elsewhere, and for prefill, model.py's own (dequantize, then sdpa above)."""
+    if (q.size(2) < MAX_ROWS and "vnni" in kernels.split("+") and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and q.size(-1) in (64, 128, 256) and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v)
+            and k.stride() == v.stride() and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+            and attn_mask.dtype == torch.bool and attn_mask.size(1) == 1 and attn_mask.stride(-1) == 1
+            and attn_mask.stride(-2) == attn_mask.size(-1) and not (torch.is_grad_enabled() and q.requires_grad)):
+        return torch.ops.fast_decode.attend_int8(q, k, k_scale, v, v_scale, attn_mask)
+    k = (k.float() * k_scale[..., None]).to(q.dtype)
+    v = (v.float() * v_scale[..., None]).to(q.dtype)
+    return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
 # ---- prefill: bf16, fp32 or the kernels, measured -----------------------------------------------------------------
@@ -1516,6 +1781,7 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
     for parent in list(model.modules()):
         if _lib is not None and getattr(parent, "sdpa", None) is F.scaled_dot_product_attention:
             parent.sdpa = sdpa  # model.py's attention takes its attention function from here
+            parent.sdpa_int8 = sdpa_int8
         for child_name, child in parent.named_children():
             new = replacement(child, dtype)
             if new is not None:

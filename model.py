@@ -169,21 +169,46 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:  # x [..., D] -> int8 [..., D], float32 scales [...]
+    scale = x.float().abs().amax(-1) / 127
+    return (x.float() / scale.clamp(min=1e-30)[..., None]).round().to(torch.int8), scale
+
+
 class KVCache(nn.Module):
     def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device):
+        """dtype torch.int8: each position's key and value per head rounded to int8 with a float32 scale, half
+        the bytes of bf16 to store and to read every step."""
         super().__init__()
         # one spare slot, never read: attention reads a slice of the cache, and were a slice ever the whole buffer
         # it would be contiguous where the others are not, and torch.compile would compile that case again
         shape = (max_batch_size, n_kv_head, max_seq_length + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        scales = torch.zeros(shape[:-1], device=device) if dtype == torch.int8 else None
+        self.register_buffer("k_scale", scales, persistent=False)
+        self.register_buffer("v_scale", None if scales is None else scales.clone(), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor):  # input_pos [S], k/v [B, H_kv, S, D]
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:  # input_pos [S], k/v [B, H_kv, S, D]
+        """-> k, v [B, H_kv, max_seq_length + 1, D]; int8: k, k_scale, v, v_scale (the scales [B, H_kv, ...])"""
         # written in place at fixed addresses: the step's shapes never change, so a CUDA graph can replay it
-        k_out, v_out = self.k_cache[: k.size(0)], self.v_cache[: k.size(0)]
-        k_out[:, :, input_pos] = k
-        v_out[:, :, input_pos] = v
-        return k_out, v_out  # [B, H_kv, max_seq_length + 1, D]
+        if self.k_scale is None:
+            out, new = (self.k_cache, self.v_cache), (k, v)
+        else:
+            (k, ks), (v, vs) = quantize_rows(k), quantize_rows(v)
+            out, new = (self.k_cache, self.k_scale, self.v_cache, self.v_scale), (k, ks, v, vs)
+        out = [t[: k.size(0)] for t in out]
+        for t, x in zip(out, new):
+            t[:, :, input_pos] = x
+        return tuple(out)
+
+
+def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
+              enable_gqa: bool) -> Tensor:  # q [B, H, S, D]; k, v [B, H_kv, L, D] int8, scales [B, H_kv, L]
+    """Attention over an int8 cache: dequantized to q's dtype, then SDPA (a kernel may take its place, see
+    cpu_gemv.py)."""
+    k = (k.float() * k_scale[..., None]).to(q.dtype)
+    v = (v.float() * v_scale[..., None]).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
 class Attention(nn.Module):
@@ -199,6 +224,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
         self.sdpa = F.scaled_dot_product_attention  # a kernel for decoding may take its place (see cpu_gemv.py)
+        self.sdpa_int8 = sdpa_int8
 
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
         B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, L <= max_seq_length] or None for plain causal
@@ -208,14 +234,15 @@ class Attention(nn.Module):
         q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs_cis)
         k = apply_rotary_emb(k.view(B, S, self.n_kv_head, self.head_dim), freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if input_pos is not None:
-            k, v = self.kv_cache.update(input_pos, k, v)
+        gqa = self.n_head != self.n_kv_head  # several query heads share a KV head, without copying the cache
+        if input_pos is None:
+            y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        else:
             # read only the first L slots, those the mask covers: a short context in a long cache costs what it
             # would in a short cache, instead of streaming every allocated slot each step
-            k, v = k[:, :, : mask.size(-1)], v[:, :, : mask.size(-1)]
-        # enable_gqa lets several query heads share a KV head without copying the cache n_head/n_kv_head times
-        y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None,
-                      enable_gqa=self.n_head != self.n_kv_head)
+            cache = [t[:, :, : mask.size(-1)] for t in self.kv_cache.update(input_pos, k, v)]
+            y = self.sdpa(q, *cache, attn_mask=mask, enable_gqa=gqa) if len(cache) == 2 else \
+                self.sdpa_int8(q, *cache, attn_mask=mask, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, S, q_size))
 
 
@@ -255,16 +282,19 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", None, persistent=False)
         self.max_batch_size = self.max_seq_length = 0
+        self.kv_dtype: Optional[torch.dtype] = None  # the cache's dtype; None: the model's
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int):
-        """Preallocate the KV cache and the RoPE table once; calling again with new sizes replaces both."""
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None):
+        """Preallocate the KV cache and the RoPE table once; calling again with new sizes replaces both.
+        kv_dtype: torch.int8 for an int8 cache (see KVCache); None keeps the last call's choice."""
         if not 0 < max_seq_length <= self.args.block_size:
             raise ValueError(f"max_seq_length {max_seq_length} is outside the model's 1..{self.args.block_size}")
+        self.kv_dtype = kv_dtype or self.kv_dtype
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old cache before allocating the new one
             layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_length,
-                                               self.args.head_dim, dtype, device)
+                                               self.args.head_dim, self.kv_dtype or dtype, device)
         self.freqs_cis = precompute_freqs_cis(max_seq_length, self.args.head_dim, self.args.rope_base,
                                               self.args.rope_scaling, device)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length

@@ -160,7 +160,7 @@ def compact(model, base: int, nodes: list[int]):
     device = model.tok_embeddings.weight.device
     src, dst = torch.tensor(nodes, device=device) + base, torch.arange(len(nodes), device=device) + base
     for layer in model.layers:
-        for cache in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
+        for cache in layer.attention.kv_cache.buffers():  # [B, H_kv, L + 1, D] and an int8 cache's scales [B, H_kv, L + 1]
             cache[:, :, dst] = cache[:, :, src]
 
 

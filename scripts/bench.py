@@ -218,7 +218,7 @@ def serve_peer(cfg: dict):
     model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
     steps, n, depth = build_steps(True), cfg["new_tokens"], cfg["depth"]
     vocab = model.args.vocab_size
-    model.setup_caches(1, max(cfg["prefill"], depth + 1) + n)
+    model.setup_caches(1, max(cfg["prefill"], depth + 1) + n, torch.int8 if cfg.get("kv_int8") else None)
     prompt = torch.randint(3, vocab, (cfg["prefill"],)).tolist()
     long = torch.randint(3, vocab, (depth + 1,)).tolist()
 
@@ -233,8 +233,11 @@ def serve_peer(cfg: dict):
         if depth:
             with torch.no_grad():
                 for layer in model.layers:
-                    for c in (layer.attention.kv_cache.k_cache, layer.attention.kv_cache.v_cache):
-                        c[:, :, :depth].normal_()
+                    c = layer.attention.kv_cache
+                    for t in (c.k_cache, c.v_cache):
+                        t[:, :, :depth].random_(-127, 128) if t.dtype == torch.int8 else t[:, :, :depth].normal_()
+                    for t in (c.k_scale, c.v_scale) if c.k_scale is not None else ():
+                        t[:, :, :depth] = 1 / 64  # values of about the size normal_() gives
             r = generate(model, [long], n, steps=steps, temperature=0, cached=depth)
             out["depth_decode"] = r.forwards / r.decode_s
         return out
@@ -303,14 +306,14 @@ def peer(args, device, tools: Path) -> list[dict]:
     """Ours against llama.cpp on the same weights, per weight format (see peer_models): decode, prefill and decode
     at depth, in rounds that alternate the two (A B A B), with and without a busy core."""
     threads = args.threads or torch.get_num_threads()
-    rows = []
+    rows, kv_int8 = [], args.kv_cache_dtype == "int8"
     cache = max(args.prefill, args.depth + 1) + args.new_tokens
     for weights, ckpt, gguf_path, theirs in peer_models(args, tools, cache):
         for load in ([False, True] if args.background_load else [False]):
             # the long context only on an idle machine: llama-bench prefills it again every round, minutes here
             depth = 0 if load else args.depth
             cfg = dict(device=str(device), checkpoint=str(ckpt), cpu_kernels=args.cpu_kernels,
-                       new_tokens=args.new_tokens, prefill=args.prefill, depth=depth)
+                       new_tokens=args.new_tokens, prefill=args.prefill, depth=depth, kv_int8=kv_int8)
             busy = busy_core() if load else None
             try:
                 ours = Child(device, cfg, args.threads)
@@ -320,16 +323,17 @@ def peer(args, device, tools: Path) -> list[dict]:
                     # the memory's read speed right after each of our rounds: on a shared host it swings by half
                     # within minutes, and one probe at the start made "% of read" say 57% in one run, 94% in the next
                     reads.append(read_bandwidth(device, COPY_GIB[device.type == "cuda"]))
-                    b = llama_cpp.llama_bench(tools, gguf_path, threads, args.prefill, args.new_tokens)
+                    b = llama_cpp.llama_bench(tools, gguf_path, threads, args.prefill, args.new_tokens, kv_q8=kv_int8)
                     if depth:  # its prefill of the context warms it up
                         b["depth_decode"] = llama_cpp.llama_bench(tools, gguf_path, threads, 0, args.new_tokens, depth,
-                                                                  warmup=False)["decode"]
+                                                                  warmup=False, kv_q8=kv_int8)["decode"]
                     rounds.append((a, b))
                 ours.close()
             finally:
                 if busy:
                     busy.kill()
-            row = dict(weights=weights, theirs=theirs, load=load, rounds=rounds,
+            kv = (", KV int8", ", KV Q8_0") if kv_int8 else ("", "")
+            row = dict(weights=weights + kv[0], theirs=theirs + kv[1], load=load, rounds=rounds,
                        weight_bytes=ours.info["weight_bytes"], kernels=ours.info["kernels"])
             for key in rounds[0][0]:
                 row[key] = statistics.median(a[key] for a, _ in rounds)
@@ -398,6 +402,8 @@ def main():
     p.add_argument("--prefill", type=cli.positive_int, default=512, help="--peer: prompt tokens for the prefill speed")
     p.add_argument("--depth", type=int, default=4096, help="--peer: decode after this many tokens of context too "
                    "(0: not)")
+    p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "int8"], help="--peer: our KV cache in "
+                   "int8 (see generate.py) and llama.cpp's in Q8_0 (with its flash attention); auto: bf16 and F16")
     p.add_argument("--background_load", action="store_true", help="--peer: every measurement again with one core "
                    "kept busy by another process")
     p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the figures (and a PNG "

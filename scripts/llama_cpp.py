@@ -166,11 +166,13 @@ def llama_gguf(tools: Path, checkpoint_dir: Path, weights: str, work: Path) -> P
 # ---- measuring -----------------------------------------------------------------------------------------------------
 
 def llama_bench(tools: Path, model: Path, threads: int, prompt: int = 0, new_tokens: int = 0, depth: int = 0,
-                repeats: int = 1, warmup: bool = True) -> dict:
+                repeats: int = 1, warmup: bool = True, kv_q8: bool = False) -> dict:
     """llama-bench's mean tokens/s: {"prefill": pp<prompt>, "decode": tg<new_tokens>} (at `depth` tokens of context
-    when given: llama-bench prefills them first, untimed), after its own warm-up run unless warmup is False."""
+    when given: llama-bench prefills them first, untimed), after its own warm-up run unless warmup is False.
+    kv_q8: its KV cache in Q8_0 (which needs its flash attention) instead of F16."""
     cmd = [str(tools / "llama-bench"), "-m", str(model), "-t", str(threads), "-r", str(repeats), "-o", "json",
-           "-p", str(prompt), "-n", str(new_tokens), "-d", str(depth), *([] if warmup else ["--no-warmup"])]
+           "-p", str(prompt), "-n", str(new_tokens), "-d", str(depth), *([] if warmup else ["--no-warmup"]),
+           *(["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"] if kv_q8 else [])]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]

@@ -99,6 +99,20 @@ def test_bench_peer_runs_a_gguf_file_in_llama_cpp_and_its_import_in_ours(tmp_pat
     assert calls and all(c.split()[1] == str(model) for c in calls)  # llama.cpp reads the file itself
 
 
+def test_bench_peer_with_an_int8_cache_gives_llama_cpp_a_q8_0_cache(tmp_path):
+    tools, out = fake_llama_cpp(tmp_path / "bin"), tmp_path / "peer.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--peer", "llama.cpp", "--llama_cpp",
+                             str(tools), "--shapes", "built-in", "--weights", "bf16", "--rounds", "1", "--prefill",
+                             "16", "--depth", "300", "--new_tokens", "8", "--kv_cache_dtype", "int8", "--work_dir",
+                             str(tmp_path / "work"), "--json", str(out)], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    row = json.loads(out.read_text())["peer_rows"][0]
+    assert row["weights"] == "bf16, KV int8" and row["theirs"] == "BF16, KV Q8_0" and row["depth_decode"] > 0
+    calls = [c.split() for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
+    assert len(calls) == 2 and all(" ".join(c).endswith("-ctk q8_0 -ctv q8_0 -fa on") for c in calls)
+
+
 def test_bench_gguf_without_peer_is_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--gguf", str(tmp_path / "m.gguf"),
                              "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -169,6 +169,18 @@ def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled, staged):
     assert sum(out.accept_histogram) == out.forwards and sum(out.tree_sizes.values()) == out.forwards
 
 
+def test_oracle_tree_over_an_int8_cache_is_identical_to_plain_greedy_over_one(pair):
+    # the accepted branches' entries are moved down the cache with their scales
+    target = load_model(pair[0], "cpu", torch.bfloat16)
+    target.setup_caches(1, 64, torch.int8)
+    prompt = [1, 8, 30, 4]
+    answer = greedy(target, prompt, 100)
+    out = tree_generate(target, prompt, 100, Oracle(answer, len(prompt), target.args.vocab_size), 16,
+                        sizer=Sizer(cost={16: 1.0}), temperature=0)
+    assert target.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
+    assert out.rows[0] == answer
+
+
 def test_suffix_follow_guesses_the_most_frequent_tokens_after_the_text_and_a_path():
     suffix = Suffix()
     suffix.observe([7, 1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2, 3, 4, 6, 1])
