@@ -73,6 +73,8 @@ def test_bench_peer_alternates_rounds_and_reports_each_ratio(tmp_path):
     ours = sorted(a["decode"] for a, _ in row["rounds"])
     assert row["decode_ratio"] == pytest.approx(sum(ours) / 2 / 50.0) and row["decode_ratio"] > 0
     assert row["depth_decode"] > 0 and len(row["read_rounds_gb_s"]) == 2  # the memory measured after each round
+    kept = sorted(100 * a["depth_decode"] / a["decode"] for a, _ in row["rounds"])
+    assert row["depth_kept"] == pytest.approx(sum(kept) / 2)  # the median of the rounds' own ratios
     pct = [100 * row["weight_bytes"] * a["decode"] / (r * 1e9) for (a, _), r in zip(row["rounds"],
                                                                                    row["read_rounds_gb_s"])]
     assert row["pct_read"] == pytest.approx(sum(pct) / 2) and row["pct_read"] > 0
