@@ -171,7 +171,8 @@ def load(args):
     if args.max_new_tokens >= length:
         raise ValueError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
                          f"{length}")
-    checkpoint.plan(args.checkpoint_path, device, dtype, 1, length, min(length, 2048))
+    checkpoint.plan(args.checkpoint_path, device, dtype, 1, length, min(length, 2048),
+                    kv_int8=args.kv_cache_dtype == "int8")
     if device.type == "cpu":
         cli.set_threads(args.threads, 1)
     args.batch_size = 1

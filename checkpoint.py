@@ -204,13 +204,14 @@ def check_layers(args: ModelArgs, names, weights: Path):
 
 
 def memory_needed(args: ModelArgs, sizes: dict, dtype, batch: int = 0, seq_len: int = 0, prompt_len: int = 0,
-                  share: int = 1) -> dict:
-    """Bytes, roughly: the weights in `dtype` (quantized ones as stored), the KV cache for batch x seq_len, and
-    prefill's largest activations (the logits of every prompt position, the MLP's hidden states, the attention
-    scores), each divided over `share` ranks."""
+                  share: int = 1, kv_int8: bool = False) -> dict:
+    """Bytes, roughly: the weights in `dtype` (quantized ones as stored), the KV cache for batch x seq_len (in
+    `dtype`, or int8 with a float32 scale per position and head), and prefill's largest activations (the logits of
+    every prompt position, the MLP's hidden states, the attention scores), each divided over `share` ranks."""
     elt = torch.finfo(dtype).bits // 8
     weights = sum(n * (elt if floating else size) for floating, n, size in sizes.values())
-    kv = 2 * args.n_layer * batch * args.n_kv_head * seq_len * args.head_dim * elt
+    per_head = args.head_dim + 4 if kv_int8 else args.head_dim * elt
+    kv = 2 * args.n_layer * batch * args.n_kv_head * seq_len * per_head
     acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 3 * args.intermediate_size) * elt
                                  + args.n_head * seq_len * 4)
     return {"weights": weights // share, "KV cache": kv // share, "activations": acts // share}
@@ -225,7 +226,7 @@ def check_memory(needed: dict, device, fix: str):
 
 
 def plan(checkpoint_path, device="cpu", dtype=torch.bfloat16, batch: int = 0, seq_len: int = 0,
-         prompt_len: int = 0, share: int = 1) -> ModelArgs:
+         prompt_len: int = 0, share: int = 1, kv_int8: bool = False) -> ModelArgs:
     """Every check that reads no weights: the files, the config, the layer count, and the memory the weights and
     a cache for batch x seq_len need against what `device` has. Call it before allocating anything."""
     ckpt_dir, weights = checkpoint_files(checkpoint_path)
@@ -233,7 +234,7 @@ def plan(checkpoint_path, device="cpu", dtype=torch.bfloat16, batch: int = 0, se
     sizes = tensor_sizes(weights)
     check_layers(args, sizes, weights)
     fix = "lower --batch_size or --max_seq_length" if batch else "use a quantized checkpoint or a larger machine"
-    check_memory(memory_needed(args, sizes, dtype, batch, seq_len, prompt_len, share), device, fix)
+    check_memory(memory_needed(args, sizes, dtype, batch, seq_len, prompt_len, share, kv_int8), device, fix)
     return args
 
 

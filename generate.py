@@ -601,7 +601,7 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({args.max_new_tokens}) exceeds the maximum "
                          f"sequence length {min(max_seq_length, config.block_size)}")
     checkpoint.plan(args.checkpoint_path, device, dtype, args.batch_size, max_seq_length, T,
-                    parallel.world if parallel else 1)  # before anything is allocated
+                    parallel.world if parallel else 1, args.kv_cache_dtype == "int8")  # before anything is allocated
     if len(args.prompt) < args.batch_size:  # one prompt, repeated
         args.prompt, encoded = args.prompt * args.batch_size, encoded * args.batch_size
     prompts = encoded

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import checkpoint
+import checkpoint as ckpt
 from conftest import needs_smollm2
 from model import quantize_rows
 from tokenizer import Tokenizer
@@ -37,8 +37,15 @@ def test_an_int8_cache_holds_half_the_bytes_and_is_kept_when_the_cache_grows(che
     assert model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
 
 
+def test_the_memory_check_counts_an_int8_cache_at_its_own_size(checkpoint):
+    args, sizes = ckpt.read_config(checkpoint), ckpt.tensor_sizes(ckpt.checkpoint_files(checkpoint)[1])
+    bf16, int8 = (ckpt.memory_needed(args, sizes, torch.bfloat16, 1, 4096, kv_int8=kv)["KV cache"]
+                  for kv in (False, True))
+    assert int8 == bf16 * (args.head_dim + 4) // (2 * args.head_dim)
+
+
 def checkpoint_model(path):
-    return checkpoint.load_model(path, "cpu", torch.bfloat16)
+    return ckpt.load_model(path, "cpu", torch.bfloat16)
 
 
 def cached_nll(model, ids: list[int], kv) -> float:
@@ -55,7 +62,7 @@ def cached_nll(model, ids: list[int], kv) -> float:
 @needs_smollm2
 def test_smollm2_perplexity_with_an_int8_cache_is_within_a_percent_of_the_bf16_cache(smollm2_imports):
     # 400 positions: past the attention's first 256-position chunk
-    ids = Tokenizer(checkpoint.tokenizer_path(smollm2_imports["int4"])).encode(
+    ids = Tokenizer(ckpt.tokenizer_path(smollm2_imports["int4"])).encode(
         (ROOT / "tests/data/english.txt").read_text())[:400]
     model = checkpoint_model(smollm2_imports["int4"])
     ppl = {kv: math.exp(cached_nll(model, ids, kv)) for kv in (torch.bfloat16, torch.int8)}
