@@ -206,11 +206,12 @@ def check_layers(args: ModelArgs, names, weights: Path):
 def memory_needed(args: ModelArgs, sizes: dict, dtype, batch: int = 0, seq_len: int = 0, prompt_len: int = 0,
                   share: int = 1, kv_int8: bool = False) -> dict:
     """Bytes, roughly: the weights in `dtype` (quantized ones as stored), the KV cache for batch x seq_len (in
-    `dtype`, or int8 with a float32 scale per position and head), and prefill's largest activations (the logits of
+    `dtype`, or int8 with float32 scales: see model.KVCache), and prefill's largest activations (the logits of
     every prompt position, the MLP's hidden states, the attention scores), each divided over `share` ranks."""
     elt = torch.finfo(dtype).bits // 8
     weights = sum(n * (elt if floating else size) for floating, n, size in sizes.values())
-    per_head = args.head_dim + 4 if kv_int8 else args.head_dim * elt
+    blocks = args.head_dim // 32 if args.head_dim % 32 == 0 else 1  # V's scales per position (K has one)
+    per_head = args.head_dim + 2 + 2 * blocks if kv_int8 else args.head_dim * elt  # the mean of K's and V's
     kv = 2 * args.n_layer * batch * args.n_kv_head * seq_len * per_head
     acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 3 * args.intermediate_size) * elt
                                  + args.n_head * seq_len * 4)

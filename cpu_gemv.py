@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import FeedForward
+from model import FeedForward, dequantize_rows
 
 PRELUDE = r"""
 #include <immintrin.h>
@@ -1104,13 +1104,17 @@ static inline void qk_int8(const uint8_t* q, const float* qs, const int8_t* k, c
     }
 }
 
-// o_r += ws[r] sum_j w[r][j] v_j for RT rows of uint8 weights (ld apart, zero from n to a multiple of 4) over n
-// positions of int8 V (D apart): four positions' bytes interleaved by two unpacks are what dpbusd sums in a lane.
-// o (rows D + 2 apart) keeps dimension d + 16l + 4m + i at d + 16m + 4l + i in each 64 (see slot8).
+// o_r += ws[c][r] sum_j w[c][r][j] v_j for RT rows of uint8 weights over n positions of int8 V (D apart), dimensions
+// 32c .. 32c + 31 with their own weights (w's sets cs apart, rows ld apart, zero from n to a multiple of 4; ws's sets
+// wcs apart): four positions' bytes interleaved by two unpacks are what dpbusd sums in a lane, and a vector's lanes
+// 0-7 hold the first 32 of its 64 dimensions. o (rows D + 2 apart) keeps dimension d + 16l + 4m + i at
+// d + 16m + 4l + i in each 64 (see slot8).
 template <int D, int RT>
-static inline void pv_int8(const uint8_t* w, int64_t ld, const float* ws, const int8_t* v, int64_t n, float* o) {
+static inline void pv_int8(const uint8_t* w, int64_t cs, int64_t ld, const float* ws, int64_t wcs, const int8_t* v,
+                           int64_t n, float* o) {
     for (int h = 0; h < 2 * D / 64; h++) {  // a half of 64 dimensions: the unpacks it needs, for every row
         const int d = h / 2 * 64;
+        const uint8_t *w0 = w + d / 32 * cs, *w1 = w0 + cs;
         __m512i acc[RT][2];
         for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
         for (int64_t j = 0; j < n; j += 4) {
@@ -1122,16 +1126,20 @@ static inline void pv_int8(const uint8_t* w, int64_t ld, const float* ws, const 
             else a = _mm512_unpackhi_epi8(x[0], x[1]), c = _mm512_unpackhi_epi8(x[2], x[3]);
             const __m512i lo = _mm512_unpacklo_epi16(a, c), hi = _mm512_unpackhi_epi16(a, c);
             for (int r = 0; r < RT; r++) {
-                const __m512i wr = bcast4(w + r * ld + j);
+                uint32_t u;
+                memcpy(&u, w1 + r * ld + j, 4);
+                const __m512i wr = _mm512_mask_set1_epi32(bcast4(w0 + r * ld + j), 0xff00, u);
                 acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], wr, lo), acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], wr, hi);
             }
         }
-        for (int r = 0; r < RT; r++)
+        for (int r = 0; r < RT; r++) {
+            const float* wsr = ws + d / 32 * wcs + r;
+            const __m512 scale = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(wsr[0]), _mm512_set1_ps(wsr[wcs]));
             for (int m = 0; m < 2; m++) {
                 float* op = o + r * (D + 2) + d + 16 * (2 * (h % 2) + m);
-                _mm512_storeu_ps(op, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_set1_ps(ws[r]),
-                                                     _mm512_loadu_ps(op)));
+                _mm512_storeu_ps(op, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), scale, _mm512_loadu_ps(op)));
             }
+        }
     }
 }
 
@@ -1140,69 +1148,96 @@ static inline int64_t slot8(int64_t, int64_t d) {  // where pv_int8 keeps dimens
     return d - e + (e % 16 / 4) * 16 + e / 16 * 4 + e % 4;
 }
 
-// attend_chunk_bf16 over an int8 cache: q as q + 128 in uint8 with qs its scales (times 1/sqrt(D)), K and V with a
-// scale per position (ks, vs). Blocks of 8 KB of K and of V, the softmax online.
+// attend_chunk_bf16 over an int8 cache: q as q + 128 in uint8 with qs its scales (times 1/sqrt(D)), K with a scale
+// per position (ks), V with one per position and 32 dimensions (vs, D / 32 a position). Blocks of 8 KB of K and of
+// V, the softmax online.
 template <int D>
 static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k, const float* ks, const int8_t* v,
                               const float* vs, const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0,
                               int64_t j1, float* part) {
-    constexpr int64_t BJ = 8192 / D;
-    static thread_local vec<float> sc;  // [R][BJ] a block's scores, then its weights times V's scales
-    static thread_local vec<uint8_t> pb;  // [R][BJ] those rounded to 8 bits
-    static thread_local vec<float> pw, vsb;  // [R] and their scales; [BJ] the block's V scales, 0 past its end
+    constexpr int64_t BJ = 8192 / D, NC = D / 32;
+    static thread_local vec<float> sc;  // [R][BJ] a block's scores
+    static thread_local vec<uint8_t> pb;  // [NC][R][BJ] its weights times V's scales, rounded to 8 bits
+    static thread_local vec<float> pw, vsb;  // [NC][R] their scales; [NC][BJ] the block's V scales, 0 past its end
     int64_t lo, hi;
     span(mask, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
     if (lo >= hi) return;
-    sc.resize(R * BJ), pb.resize(R * BJ), pw.resize(R), vsb.resize(BJ);
+    sc.resize(R * BJ), pb.resize(NC * R * BJ), pw.resize(NC * R), vsb.resize(NC * BJ);
     const bool all = sees_all(mask, S, L, lo, hi);
     for (int64_t b = lo; b < hi; b += BJ) {
         const int64_t nb = BJ < hi - b ? BJ : hi - b;
         for (int64_t r = 0; r < R; r += 8)
             BY8(qk_int8, D, R - r < 8 ? R - r : 8, q + r * D, qs + r, k + b * D, ks + b, nb, &sc[r * BJ], BJ,
                 r ? 0 : KV_AHEAD8, v + b * D)
-        __m512 vbig = _mm512_setzero_ps();
+        float vtop[NC];  // V's scales by 32 dimensions (NC a position, 2-8), 16 positions at a time
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512 vbig[NC];
+        for (int64_t c = 0; c < NC; c++) vbig[c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < BJ; j += 16) {
-            __m512 x = _mm512_maskz_loadu_ps(nb - j >= 16 ? 0xffff : nb > j ? (1u << (nb - j)) - 1 : 0, vs + b + j);
-            vbig = _mm512_max_ps(vbig, x);
-            _mm512_storeu_ps(&vsb[j], x);
+            const int64_t left = nb - j;  // positions of the block left from j
+            __m512 x[NC];
+            if (NC == 2) {  // two loads, deinterleaved: cheaper than gathers
+                const __mmask16 lo = left >= 8 ? 0xffff : left > 0 ? (1u << 2 * left) - 1 : 0;
+                const __mmask16 hi = left >= 16 ? 0xffff : left > 8 ? (1u << 2 * (left - 8)) - 1 : 0;
+                const __m512 a = _mm512_maskz_loadu_ps(lo, vs + (b + j) * 2);
+                const __m512 c = _mm512_maskz_loadu_ps(hi, vs + (b + j) * 2 + 16);
+                const __m512i even = _mm512_slli_epi32(lane, 1);
+                x[0] = _mm512_permutex2var_ps(a, even, c);
+                x[NC - 1] = _mm512_permutex2var_ps(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), c);
+            } else {
+                const __mmask16 live = left >= 16 ? 0xffff : left > 0 ? (1u << left) - 1 : 0;
+                const __m512i at = _mm512_mullo_epi32(lane, _mm512_set1_epi32(NC));
+                for (int64_t c = 0; c < NC; c++)
+                    x[c] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, vs + (b + j) * NC + c, 4);
+            }
+            for (int64_t c = 0; c < NC; c++)
+                vbig[c] = _mm512_max_ps(vbig[c], x[c]), _mm512_storeu_ps(&vsb[c * BJ + j], x[c]);
         }
-        const float vtop = _mm512_reduce_max_ps(vbig);
+        for (int64_t c = 0; c < NC; c++) vtop[c] = _mm512_reduce_max_ps(vbig[c]);
         for (int64_t r = 0; r < R; r++) {
             float* s = &sc[r * BJ];
             const float bm = masked_max(s, nb, BJ, all ? nullptr : mask + (r % S) * L + b);
             float* row = part + r * (D + 2);
             const float m = fmaxf(row[0], bm);
-            pw[r] = 0.f;
+            for (int64_t c = 0; c < NC; c++) pw[c * R + r] = 0.f;
             if (m == -INFINITY) {  // nothing seen yet: weights 0
-                memset(&pb[r * BJ], 0, BJ);
+                for (int64_t c = 0; c < NC; c++) memset(&pb[(c * R + r) * BJ], 0, BJ);
                 continue;
             }
             raise_max(row, m, D);
             // every weight times its V scale is at most e^(bm - m) times the block's largest V scale: that bound
             // is 255, so the weights are rounded as they come out, in one pass
-            const float bound = expf(bm - m) * vtop;
-            const __m512 m16 = _mm512_set1_ps(m), f = _mm512_set1_ps(bound > 0.f ? 255.f / bound : 0.f);
+            __m512 f[NC];
+            for (int64_t c = 0; c < NC; c++) {
+                const float bound = expf(bm - m) * vtop[c];
+                f[c] = _mm512_set1_ps(bound > 0.f ? 255.f / bound : 0.f), pw[c * R + r] = bound / 255.f;
+            }
+            const __m512 m16 = _mm512_set1_ps(m);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < BJ; j += 16) {
                 __m512 p = exp16_rough(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
                 sum = _mm512_add_ps(sum, p);
-                __m512 w = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_loadu_ps(&vsb[j])), f);
-                _mm_storeu_si128((__m128i*)&pb[r * BJ + j], _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(w)));
+                for (int64_t c = 0; c < NC; c++) {
+                    __m512 w = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_loadu_ps(&vsb[c * BJ + j])), f[c]);
+                    _mm_storeu_si128((__m128i*)&pb[(c * R + r) * BJ + j],
+                                     _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(w)));
+                }
             }
             row[1] += _mm512_reduce_add_ps(sum);
-            pw[r] = bound / 255.f;
         }
         for (int64_t r = 0; r < R; r += 8)
-            BY8(pv_int8, D, R - r < 8 ? R - r : 8, &pb[r * BJ], BJ, &pw[r], v + b * D, nb, part + r * (D + 2) + 2)
+            BY8(pv_int8, D, R - r < 8 ? R - r : 8, &pb[r * BJ], R * BJ, BJ, &pw[r], R, v + b * D, nb,
+                part + r * (D + 2) + 2)
     }
 }
 
-// attend() over an int8 cache: k and v [B, Hkv, L, D] int8 (strides kb, kh), their scales [B, Hkv, L] float (strides
-// sb, sh); D 64, 128 or 256.
+// attend() over an int8 cache: k and v [B, Hkv, L, D] int8 (strides kb, kh), K's scales [B, Hkv, L] float (strides
+// ksb, ksh), V's [B, Hkv, L, D / 32] (strides vsb, vsh, D / 32, 1); D 64, 128 or 256.
 extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks, const int8_t* v, const float* vs,
                             const uint8_t* mask, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
-                            int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t sb, int64_t sh, int64_t mb) {
+                            int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t ksb, int64_t ksh, int64_t vsb,
+                            int64_t vsh, int64_t mb) {
     const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks, rows = B * H * S;
     static thread_local vec<float> parts_, qs_;
     static thread_local vec<uint8_t> q8_;
@@ -1216,7 +1251,8 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
         const float top = _mm512_reduce_max_ps(big);
         const __m512 f = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
         for (int64_t d = 0; d < D; d += 16) {
-            __m512i x = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(widen(q + i * D + d), f)), _mm512_set1_epi32(128));
+            __m512i x = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(widen(q + i * D + d), f)),
+                                         _mm512_set1_epi32(128));
             _mm_storeu_si128((__m128i*)&q8_[i * D + d], _mm512_cvtusepi32_epi8(x));
         }
         qs_[i] = top / 127.f / sqrtf((float)D);
@@ -1230,7 +1266,7 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
             int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
             const int64_t q0 = (b * H + h * G) * S;  // the group's first query row
             const int8_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
-            const float *kst = ks + b * sb + h * sh, *vst = vs + b * sb + h * sh;
+            const float *kst = ks + b * ksb + h * ksh, *vst = vs + b * vsb + h * vsh;
             const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
             float* part = &parts[t * R * (D + 2)];
             switch (D) {
@@ -1364,7 +1400,8 @@ static Tensor attend(const Tensor& q_, const Tensor& k, const Tensor& v, const T
     return y;
 }
 
-// attend() over an int8 cache: k and v [B, Hkv, L, D] int8, their scales [B, Hkv, L] float32 (slices of the cache)
+// attend() over an int8 cache: k and v [B, Hkv, L, D] int8, k_scale [B, Hkv, L, 1] and v_scale [B, Hkv, L, D / 32]
+// float32 (slices of the cache)
 static Tensor attend_int8(const Tensor& q_, const Tensor& k, const Tensor& ks, const Tensor& v, const Tensor& vs,
                           const Tensor& mask) {
     TORCH_CHECK(K[5], "attend_int8: the loaded kernel set has no int8 attention (it needs AVX512-VNNI)");
@@ -1372,9 +1409,10 @@ static Tensor attend_int8(const Tensor& q_, const Tensor& k, const Tensor& ks, c
     int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), L = k.size(2);
     Tensor m = mask.expand({B, 1, S, L}), y = at::empty(q.sizes(), q.options());
     ((void (*)(void*, void*, void*, void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-               int64_t, int64_t, int64_t, int64_t, int64_t))K[5])(
+               int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t))K[5])(
         q.data_ptr(), k.data_ptr(), ks.data_ptr(), v.data_ptr(), vs.data_ptr(), m.data_ptr(), y.data_ptr(), B, H,
-        k.size(1), S, L, D, k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), m.stride(0));
+        k.size(1), S, L, D, k.stride(0), k.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+        m.stride(0));
     return y;
 }
 
@@ -1571,12 +1609,12 @@ def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor,
     has AVX512-VNNI; elsewhere, and for prefill, model.py's own (dequantize, then sdpa above)."""
     if (q.size(2) < MAX_ROWS and "vnni" in kernels.split("+") and q.dtype == torch.bfloat16 and q.device.type == "cpu"
             and q.size(-1) in (64, 128, 256) and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v)
-            and k.stride() == v.stride() and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+            and k.stride() == v.stride() and k_scale.size(-1) == 1 and k_scale.stride(-2) == 1
+            and v_scale.size(-1) == q.size(-1) // 32 and v_scale.stride(-2) == v_scale.size(-1) and v_scale.stride(-1) == 1
             and attn_mask.dtype == torch.bool and attn_mask.size(1) == 1 and attn_mask.stride(-1) == 1
             and attn_mask.stride(-2) == attn_mask.size(-1) and not (torch.is_grad_enabled() and q.requires_grad)):
         return torch.ops.fast_decode.attend_int8(q, k, k_scale, v, v_scale, attn_mask)
-    k = (k.float() * k_scale[..., None]).to(q.dtype)
-    v = (v.float() * v_scale[..., None]).to(q.dtype)
+    k, v = dequantize_rows(k, k_scale, q.dtype), dequantize_rows(v, v_scale, q.dtype)
     return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 

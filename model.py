@@ -169,32 +169,39 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:  # x [..., D] -> int8 [..., D], float32 scales [...]
-    scale = x.float().abs().amax(-1) / 127
-    return (x.float() / scale.clamp(min=1e-30)[..., None]).round().to(torch.int8), scale
+def quantize_rows(x: Tensor, block: int) -> tuple[Tensor, Tensor]:  # x [..., D] -> int8 [..., D], scales [..., D/block]
+    xb = x.float().unflatten(-1, (-1, block))
+    scale = xb.abs().amax(-1) / 127
+    return (xb / scale.clamp(min=1e-30)[..., None]).round().to(torch.int8).flatten(-2), scale
+
+
+def dequantize_rows(q: Tensor, scale: Tensor, dtype) -> Tensor:  # int8 [..., D], float32 [..., n] -> [..., D]
+    return (q.float().unflatten(-1, (scale.size(-1), -1)) * scale[..., None]).flatten(-2).to(dtype)
 
 
 class KVCache(nn.Module):
     def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device):
-        """dtype torch.int8: each position's key and value per head rounded to int8 with a float32 scale, half
-        the bytes of bf16 to store and to read every step."""
+        """dtype torch.int8: each position's key per head rounded to int8 with one float32 scale, its value with
+        one per 32 dimensions (values have a few large dimensions), about half the bytes of bf16 to store and read."""
         super().__init__()
         # one spare slot, never read: attention reads a slice of the cache, and were a slice ever the whole buffer
         # it would be contiguous where the others are not, and torch.compile would compile that case again
         shape = (max_batch_size, n_kv_head, max_seq_length + 1, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        scales = torch.zeros(shape[:-1], device=device) if dtype == torch.int8 else None
-        self.register_buffer("k_scale", scales, persistent=False)
-        self.register_buffer("v_scale", None if scales is None else scales.clone(), persistent=False)
+        int8 = dtype == torch.int8
+        self.register_buffer("k_scale", torch.zeros(*shape[:-1], 1, device=device) if int8 else None, persistent=False)
+        blocks = head_dim // 32 if head_dim % 32 == 0 else 1
+        self.register_buffer("v_scale", torch.zeros(*shape[:-1], blocks, device=device) if int8 else None,
+                             persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:  # input_pos [S], k/v [B, H_kv, S, D]
-        """-> k, v [B, H_kv, max_seq_length + 1, D]; int8: k, k_scale, v, v_scale (the scales [B, H_kv, ...])"""
+        """-> k, v [B, H_kv, max_seq_length + 1, D]; int8: k, k_scale [..., 1], v, v_scale [..., D / 32 (or 1)]"""
         # written in place at fixed addresses: the step's shapes never change, so a CUDA graph can replay it
         if self.k_scale is None:
             out, new = (self.k_cache, self.v_cache), (k, v)
         else:
-            (k, ks), (v, vs) = quantize_rows(k), quantize_rows(v)
+            (k, ks), (v, vs) = quantize_rows(k, k.size(-1)), quantize_rows(v, v.size(-1) // self.v_scale.size(-1))
             out, new = (self.k_cache, self.k_scale, self.v_cache, self.v_scale), (k, ks, v, vs)
         out = [t[: k.size(0)] for t in out]
         for t, x in zip(out, new):
@@ -203,11 +210,10 @@ class KVCache(nn.Module):
 
 
 def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
-              enable_gqa: bool) -> Tensor:  # q [B, H, S, D]; k, v [B, H_kv, L, D] int8, scales [B, H_kv, L]
+              enable_gqa: bool) -> Tensor:  # q [B, H, S, D]; k, v [B, H_kv, L, D] int8, scales [B, H_kv, L, n]
     """Attention over an int8 cache: dequantized to q's dtype, then SDPA (a kernel may take its place, see
     cpu_gemv.py)."""
-    k = (k.float() * k_scale[..., None]).to(q.dtype)
-    v = (v.float() * v_scale[..., None]).to(q.dtype)
+    k, v = dequantize_rows(k, k_scale, q.dtype), dequantize_rows(v, v_scale, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 

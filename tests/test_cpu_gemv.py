@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import cpu_gemv
 import quantize
 from checkpoint import load_model
-from model import quantize_rows
+from model import dequantize_rows, quantize_rows
 
 TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
 pytestmark = pytest.mark.skipif(not TARGETS or cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
@@ -290,9 +290,9 @@ def test_attention_for_few_rows_equals_torchs_to_a_bf16_step(kernels, B, H, Hkv,
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 2e-3).all()
 
 
-def in_a_longer_cache(q: torch.Tensor, scale: torch.Tensor, spare: int):  # [B, H, L, D], [B, H, L] as cache slices
+def in_a_longer_cache(q: torch.Tensor, scale: torch.Tensor, spare: int):  # [B, H, L, D], [B, H, L, n] as cache slices
     B, H, L, D = q.shape
-    qc, sc = torch.zeros(B, H, L + spare, D, dtype=q.dtype), torch.zeros(B, H, L + spare)
+    qc, sc = torch.zeros(B, H, L + spare, D, dtype=q.dtype), torch.zeros(B, H, L + spare, scale.size(-1))
     qc[:, :, :L], sc[:, :, :L] = q, scale
     return qc[:, :, :L], sc[:, :, :L]
 
@@ -310,8 +310,8 @@ def test_attention_over_an_int8_cache_stays_within_two_percent_of_exact(kernels,
     # bf16 kernel (the other sets, and 32 dimensions), 0.3%
     torch.manual_seed(0)
     q, k, v, mask = attention_case(B, H, Hkv, S, L, D, pad, cache=L + 50)
-    (k8, ks), (v8, vs) = (in_a_longer_cache(*quantize_rows(t), 50) for t in (k, v))
-    kd, vd = (t.double() * s.double()[..., None] for t, s in ((k8, ks), (v8, vs)))
+    (k8, ks), (v8, vs) = (in_a_longer_cache(*quantize_rows(t, n), 50) for t, n in ((k, D), (v, min(32, D))))
+    kd, vd = (dequantize_rows(t, s, torch.float64) for t, s in ((k8, ks), (v8, vs)))
     exact = F.scaled_dot_product_attention(q.double(), kd, vd, attn_mask=mask, enable_gqa=True)
     got = cpu_gemv.sdpa_int8(q, k8, ks, v8, vs, attn_mask=mask, enable_gqa=H != Hkv)
     assert got.shape == exact.shape and got.dtype == torch.bfloat16

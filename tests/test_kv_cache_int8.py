@@ -10,18 +10,19 @@ import torch.nn.functional as F
 
 import checkpoint as ckpt
 from conftest import needs_smollm2
-from model import quantize_rows
+from model import dequantize_rows, quantize_rows
 from tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_rounding_keeps_each_position_within_half_a_step_of_its_scale():
+def test_rounding_keeps_each_block_within_half_a_step_of_its_scale():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 5, 64) * torch.logspace(-3, 3, 5)[:, None]  # positions of very different sizes
-    q, scale = quantize_rows(x)
-    assert q.dtype == torch.int8 and scale.shape == (2, 3, 5) and q.abs().amax(-1).eq(127).all()
-    assert ((q.float() * scale[..., None] - x).abs() <= scale[..., None] / 2 * 1.0001).all()
+    q, scale = quantize_rows(x, 32)
+    assert q.dtype == torch.int8 and scale.shape == (2, 3, 5, 2)
+    assert q.unflatten(-1, (2, 32)).abs().amax(-1).eq(127).all()  # each block of 32 uses the whole range
+    assert ((dequantize_rows(q, scale, torch.float32) - x).abs() <= scale.repeat_interleave(32, -1) / 2 * 1.0001).all()
 
 
 def test_an_int8_cache_holds_half_the_bytes_and_is_kept_when_the_cache_grows(checkpoint):
@@ -30,9 +31,9 @@ def test_an_int8_cache_holds_half_the_bytes_and_is_kept_when_the_cache_grows(che
     for kv in (torch.bfloat16, torch.int8):
         model.setup_caches(1, 64, kv)
         sizes[kv] = sum(b.numel() * b.element_size() for b in model.layers[0].attention.kv_cache.buffers())
-    # int8 values plus a float32 scale per position and head: (D + 4) / (2 D) of the bf16 cache
+    # int8 values plus float32 scales: one per position and head for K, one per 32 dimensions for V
     D = model.args.head_dim
-    assert sizes[torch.int8] == sizes[torch.bfloat16] * (D + 4) // (2 * D)
+    assert sizes[torch.int8] == sizes[torch.bfloat16] * (2 * D + 4 + 4 * (D // 32 if D % 32 == 0 else 1)) // (4 * D)
     model.setup_caches(1, 128)  # a longer cache, as generate() asks for: still int8
     assert model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
 
@@ -41,7 +42,8 @@ def test_the_memory_check_counts_an_int8_cache_at_its_own_size(checkpoint):
     args, sizes = ckpt.read_config(checkpoint), ckpt.tensor_sizes(ckpt.checkpoint_files(checkpoint)[1])
     bf16, int8 = (ckpt.memory_needed(args, sizes, torch.bfloat16, 1, 4096, kv_int8=kv)["KV cache"]
                   for kv in (False, True))
-    assert int8 == bf16 * (args.head_dim + 4) // (2 * args.head_dim)
+    D = args.head_dim
+    assert int8 == bf16 * (2 * D + 4 + 4 * (D // 32 if D % 32 == 0 else 1)) // (4 * D)
 
 
 def checkpoint_model(path):
