@@ -419,6 +419,8 @@ def main():
         cli.fail(f"--depth must be 0 or more, got {args.depth}")
     if args.gguf and not args.peer:
         cli.fail("--gguf is for --peer llama.cpp: the grid runs random weights of named shapes")
+    if args.kv_cache_dtype != "auto" and not args.peer:
+        cli.fail("--kv_cache_dtype is for --peer llama.cpp: the grid runs the model's own cache dtype")
     if args.gguf and not args.gguf.is_file():  # before llama.cpp is built, which takes minutes
         cli.fail(f"--gguf {args.gguf} {'is not a file' if args.gguf.exists() else 'not found'}")
     if args.serve:

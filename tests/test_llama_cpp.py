@@ -121,6 +121,13 @@ def test_bench_gguf_without_peer_is_one_line_error(tmp_path):
     assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1 and "--peer" in result.stderr
 
 
+def test_bench_kv_cache_dtype_without_peer_is_one_line_error(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--kv_cache_dtype", "int8", "--json",
+                             str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1 and "--peer" in result.stderr
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_bench_gguf_that_is_missing_is_one_line_error_before_any_build(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--peer", "llama.cpp", "--gguf",
                              str(tmp_path / "m.gguf"), "--json", str(tmp_path / "b.json")], capture_output=True,
