@@ -208,11 +208,11 @@ def run_transformers(cfg: dict, device):
 # ---- --peer llama.cpp: the same checkpoint in llama.cpp, A B A B -------------------------------------------------
 
 def serve_peer(cfg: dict):
-    """A child process of ours for --peer: load and compile once, warm up, then one round of measurements per
-    "run" line on stdin, one JSON line each: decode tokens/s (batch 1, new_tokens after a one-token prompt), prefill
-    tokens/s (a `prefill`-token prompt) and, with `depth`, decode tokens/s after `depth` tokens of context. The
-    context for that is random keys and values written straight into the cache: attention's cost depends on its
-    length, not its values, and prefilling 4k tokens would take minutes per round here."""
+    """A child process of ours for --peer: load and compile once, warm up, then one measurement per line on stdin
+    ("decode", "prefill" or "depth_decode"), its tokens/s as one JSON number: decode is batch 1, new_tokens after a
+    one-token prompt; prefill a `prefill`-token prompt; depth_decode new_tokens after `depth` tokens of context. That
+    context is random keys and values written straight into the cache: attention's cost depends on its length, not
+    its values, and prefilling 4k tokens would take minutes per round here."""
     device = resolve_device(cfg["device"])
     torch.manual_seed(0)
     model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
@@ -222,35 +222,35 @@ def serve_peer(cfg: dict):
     prompt = torch.randint(3, vocab, (cfg["prefill"],)).tolist()
     long = torch.randint(3, vocab, (depth + 1,)).tolist()
 
-    def one() -> dict:
-        out = {}
+    def measure(kind: str) -> float:
         # untimed first, as llama-bench warms up before each measurement: while the other side ran, the OS may have
         # dropped the weights' pages from its cache (seen on a VM), and a timed step would read them from disk
         generate(model, [prompt[:1]], 8, steps=steps, temperature=0)
-        r = generate(model, [prompt[:1]], n, steps=steps, temperature=0)
-        out["decode"] = r.forwards / r.decode_s
-        out["prefill"] = cfg["prefill"] / generate(model, [prompt], 1, steps=steps, temperature=0).prefill_s
-        if depth:
-            with torch.no_grad():
-                for layer in model.layers:
-                    c = layer.attention.kv_cache
-                    for t in (c.k_cache, c.v_cache):
-                        t[:, :, :depth].random_(-127, 128) if t.dtype == torch.int8 else t[:, :, :depth].normal_()
-                    for t in (c.k_scale, c.v_scale) if c.k_scale is not None else ():
-                        t[:, :, :depth] = 1 / 64  # values of about the size normal_() gives
-            r = generate(model, [long], n, steps=steps, temperature=0, cached=depth)
-            out["depth_decode"] = r.forwards / r.decode_s
-        return out
-    one()  # compiles every step and cache length
+        if kind == "decode":
+            r = generate(model, [prompt[:1]], n, steps=steps, temperature=0)
+            return r.forwards / r.decode_s
+        if kind == "prefill":
+            return cfg["prefill"] / generate(model, [prompt], 1, steps=steps, temperature=0).prefill_s
+        with torch.no_grad():
+            for layer in model.layers:
+                c = layer.attention.kv_cache
+                for t in (c.k_cache, c.v_cache):
+                    t[:, :, :depth].random_(-127, 128) if t.dtype == torch.int8 else t[:, :, :depth].normal_()
+                for t in (c.k_scale, c.v_scale) if c.k_scale is not None else ():
+                    t[:, :, :depth] = 1 / 64  # values of about the size normal_() gives
+        r = generate(model, [long], n, steps=steps, temperature=0, cached=depth)
+        return r.forwards / r.decode_s
+
+    for kind in ("decode", "prefill", "depth_decode")[:3 if depth else 2]:  # compiles every step and cache length
+        measure(kind)
     print(json.dumps({"ready": True, "weight_bytes": weight_bytes(model), "kernels": cpu_gemv.describe(model)}),
           flush=True)
     for line in sys.stdin:
-        if line.strip() == "run":
-            print(json.dumps(one()), flush=True)
+        print(json.dumps(measure(line.strip())), flush=True)
 
 
 class Child:
-    """serve_peer in a child process: one compile, then a round whenever asked."""
+    """serve_peer in a child process: one compile, then a measurement whenever asked."""
     def __init__(self, device, cfg: dict, threads):
         self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: compile warnings cannot fill it and stall
         self.p = subprocess.Popen([sys.executable, __file__, "--device", str(device), "--serve", json.dumps(cfg),
@@ -266,8 +266,8 @@ class Child:
             raise ValueError(f"our side of --peer failed: {last}")
         return json.loads(line)
 
-    def run(self) -> dict:
-        self.p.stdin.write("run\n")
+    def measure(self, kind: str) -> float:
+        self.p.stdin.write(kind + "\n")
         self.p.stdin.flush()
         return self.read()
 
@@ -302,9 +302,30 @@ def peer_models(args, tools: Path, cache: int) -> list[tuple[str, Path, Path, st
              llama_cpp.QUANT[weights]) for weights in args.weights]
 
 
+def round_plan(depth: bool, mirrored: bool) -> list[tuple[str, str]]:
+    """One round of --peer: (side, measurement) in order. Each of our measurements runs right beside llama.cpp's
+    same one, and our short decode beside the read probe and our decode at depth: on a shared host the memory's
+    speed moves within seconds, and a pair ten seconds apart gave decode ratios from 0.63 to 1.28 in one run. Every
+    other round runs in reverse, so that a steady drift in the memory's speed favours neither side."""
+    plan = [("theirs", "decode"), ("ours", "decode"), ("read", "")]
+    plan += [("ours", "depth_decode"), ("theirs", "depth_decode")] if depth else []
+    plan += [("theirs", "prefill"), ("ours", "prefill")]
+    return plan[::-1] if mirrored else plan
+
+
+def theirs_measure(args, tools: Path, gguf_path: Path, threads: int, kind: str) -> float:
+    """llama-bench's tokens/s for one of serve_peer's measurements, on as many tokens and threads"""
+    q8 = args.kv_cache_dtype == "int8"
+    if kind == "prefill":
+        return llama_cpp.llama_bench(tools, gguf_path, threads, args.prefill, 0, kv_q8=q8)["prefill"]
+    depth = args.depth if kind == "depth_decode" else 0  # at depth, its untimed prefill of the context warms it up
+    return llama_cpp.llama_bench(tools, gguf_path, threads, 0, args.new_tokens, depth, warmup=not depth,
+                                 kv_q8=q8)["decode"]
+
+
 def peer(args, device, tools: Path) -> list[dict]:
     """Ours against llama.cpp on the same weights, per weight format (see peer_models): decode, prefill and decode
-    at depth, in rounds that alternate the two (A B A B), with and without a busy core."""
+    at depth, in rounds that alternate the two (see round_plan), with and without a busy core."""
     threads = args.threads or torch.get_num_threads()
     rows, kv_int8 = [], args.kv_cache_dtype == "int8"
     cache = max(args.prefill, args.depth + 1) + args.new_tokens
@@ -318,15 +339,17 @@ def peer(args, device, tools: Path) -> list[dict]:
             try:
                 ours = Child(device, cfg, args.threads)
                 rounds, reads = [], []
-                for _ in tqdm(range(args.rounds), desc=f"{weights}{', busy core' if load else ''}", disable=None):
-                    a = ours.run()
-                    # the memory's read speed right after each of our rounds: on a shared host it swings by half
-                    # within minutes, and one probe at the start made "% of read" say 57% in one run, 94% in the next
-                    reads.append(read_bandwidth(device, COPY_GIB[device.type == "cuda"]))
-                    b = llama_cpp.llama_bench(tools, gguf_path, threads, args.prefill, args.new_tokens, kv_q8=kv_int8)
-                    if depth:  # its prefill of the context warms it up
-                        b["depth_decode"] = llama_cpp.llama_bench(tools, gguf_path, threads, 0, args.new_tokens, depth,
-                                                                  warmup=False, kv_q8=kv_int8)["decode"]
+                for i in tqdm(range(args.rounds), desc=f"{weights}{', busy core' if load else ''}", disable=None):
+                    a, b = {}, {}
+                    for side, kind in round_plan(bool(depth), mirrored=i % 2 == 1):
+                        if side == "ours":
+                            a[kind] = ours.measure(kind)
+                        elif side == "read":
+                            # on a shared host the memory's read speed swings by half within minutes: one probe at
+                            # the start made "% of read" say 57% in one run, 94% in the next
+                            reads.append(read_bandwidth(device, COPY_GIB[device.type == "cuda"]))
+                        else:
+                            b[kind] = theirs_measure(args, tools, gguf_path, threads, kind)
                     rounds.append((a, b))
                 ours.close()
             finally:
@@ -399,8 +422,8 @@ def main():
     p.add_argument("--llama_cpp", type=Path, help="a folder holding llama-bench and llama-quantize")
     p.add_argument("--gguf", type=Path, help="--peer: a real model's GGUF file instead of random weights; llama.cpp "
                    "runs the file, this project its import by convert_gguf.py (int4 from Q4_0/Q4_1, int8 from Q8_0)")
-    p.add_argument("--rounds", type=cli.positive_int, default=3, help="--peer: rounds of ours then llama.cpp; "
-                   "medians are reported, and the median of the per-round ratios")
+    p.add_argument("--rounds", type=cli.positive_int, default=3, help="--peer: rounds of measurements, each of "
+                   "ours beside llama.cpp's; medians are reported, and the median of the per-round ratios")
     p.add_argument("--prefill", type=cli.positive_int, default=512, help="--peer: prompt tokens for the prefill speed")
     p.add_argument("--depth", type=int, default=4096, help="--peer: decode after this many tokens of context too "
                    "(0: not)")

@@ -58,29 +58,42 @@ def test_llama_bench_speeds_are_read_from_its_json(tmp_path):
     assert "-d 4096 --no-warmup" in (tools / "llama-bench.calls").read_text()
 
 
-def test_bench_peer_alternates_rounds_and_reports_each_ratio(tmp_path):
-    tools = fake_llama_cpp(tmp_path / "bin")
-    out = tmp_path / "peer.json"
+@pytest.fixture(scope="module")
+def peer_run(tmp_path_factory):
+    """bench.py --peer on the built-in shape in int8, two rounds, against the stand-in llama-bench"""
+    tmp = tmp_path_factory.mktemp("peer")
+    tools, out = fake_llama_cpp(tmp / "bin"), tmp / "peer.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--peer", "llama.cpp", "--llama_cpp",
                              str(tools), "--shapes", "built-in", "--weights", "int8", "--rounds", "2", "--prefill",
-                             "32", "--depth", "300", "--new_tokens", "8", "--work_dir", str(tmp_path / "work"),
-                             "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                             "32", "--depth", "300", "--new_tokens", "8", "--threads", "1", "--work_dir",
+                             str(tmp / "work"), "--json", str(out)], capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    row = json.loads(out.read_text())["peer_rows"][0]
+    calls = [c.split() for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
+    return result.stdout, json.loads(out.read_text())["peer_rows"][0], calls, tmp / "work"
+
+
+def test_bench_peer_alternates_rounds_and_reports_each_ratio(peer_run):
+    stdout, row, _, work = peer_run
     assert row["weights"] == "int8" and row["theirs"] == "Q8_0" and len(row["rounds"]) == 2
-    assert (tmp_path / "work" / "built-in-1024-Q8_0.gguf").exists()
+    assert (work / "built-in-1024-Q8_0.gguf").exists()
     assert row["llama_decode"] == 50.0 and row["llama_prefill"] == 100.0 and row["llama_depth_decode"] == 40.0
     ours = sorted(a["decode"] for a, _ in row["rounds"])
     assert row["decode_ratio"] == pytest.approx(sum(ours) / 2 / 50.0) and row["decode_ratio"] > 0
-    assert row["depth_decode"] > 0 and len(row["read_rounds_gb_s"]) == 2  # the memory measured after each round
+    assert row["depth_decode"] > 0 and len(row["read_rounds_gb_s"]) == 2  # the memory measured in each round
     kept = sorted(100 * a["depth_decode"] / a["decode"] for a, _ in row["rounds"])
     assert row["depth_kept"] == pytest.approx(sum(kept) / 2)  # the median of the rounds' own ratios
     pct = [100 * row["weight_bytes"] * a["decode"] / (r * 1e9) for (a, _), r in zip(row["rounds"],
                                                                                    row["read_rounds_gb_s"])]
     assert row["pct_read"] == pytest.approx(sum(pct) / 2) and row["pct_read"] > 0
-    calls = [c for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
-    assert len(calls) == 4 and "-t" in calls[0]  # two rounds: pp/tg, then tg at depth
-    assert "| int8 | Q8_0 | idle |" in result.stdout
+    assert "| int8 | Q8_0 | idle |" in stdout
+
+
+def test_bench_peer_runs_each_measurement_beside_the_other_sides_and_mirrors_every_other_round(peer_run):
+    _, _, calls, _ = peer_run
+    tests = [(c[c.index("-p") + 1], c[c.index("-n") + 1], c[c.index("-d") + 1]) for c in calls]
+    one_round = [("0", "8", "0"), ("0", "8", "300"), ("32", "0", "0")]  # decode, decode at depth, prefill
+    assert tests == one_round + one_round[::-1] and all(c[c.index("-t") + 1] == "1" for c in calls)
 
 
 def test_bench_peer_runs_a_gguf_file_in_llama_cpp_and_its_import_in_ours(tmp_path):
@@ -112,7 +125,7 @@ def test_bench_peer_with_an_int8_cache_gives_llama_cpp_a_q8_0_cache(tmp_path):
     row = json.loads(out.read_text())["peer_rows"][0]
     assert row["weights"] == "bf16, KV int8" and row["theirs"] == "BF16, KV Q8_0" and row["depth_decode"] > 0
     calls = [c.split() for c in (tools / "llama-bench.calls").read_text().splitlines() if c.startswith("-m")]
-    assert len(calls) == 2 and all(" ".join(c).endswith("-ctk q8_0 -ctv q8_0 -fa on") for c in calls)
+    assert len(calls) == 3 and all(" ".join(c).endswith("-ctk q8_0 -ctv q8_0 -fa on") for c in calls)
 
 
 def test_bench_gguf_without_peer_is_one_line_error(tmp_path):
