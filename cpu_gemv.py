@@ -15,9 +15,9 @@ through torch ops written in C++ (GLUE, built against this torch), so that torch
 and calls them with no Python in between. install(model) replaces a bf16 model's linear layers (and quantize.py's
 int8 and int4 layers, recognised by their tensors) with layers that send products of few rows here, and joins each
 feed-forward's gate and up layers into one product; model.py's attention for a few query rows (decode) runs here
-too, over a bf16 KV cache or (with AVX512-VNNI) an int8 one. Products of many rows (prefill) go to torch's GEMM, in bf16 or
-in fp32, whichever a measurement on this machine found faster; those of int8 and int4 layers to their kernel
-instead, in tiles, where that measured faster still. Without a compiler or a known instruction set, one line on
+too, over a bf16 KV cache or an int8 one. Products of many rows (prefill) go to torch's GEMM, in bf16 or in fp32,
+whichever a measurement on this machine found faster; those of int8 and int4 layers to their kernel instead, in
+tiles, where that measured faster still. Without a compiler or a known instruction set, one line on
 stderr says so and torch's kernels stay."""
 import ctypes
 import hashlib
@@ -603,38 +603,51 @@ struct Stream {
     }
 };
 
-// s[r] = q_r . k for 8 query rows (D apart, each 16 dimensions in the order the unpacks below give: 0-3, 8-11,
-// 4-7, 12-15) and one position of bf16 K: K is widened in registers by unpacking it under zeros, each vector
-// serving the 8 rows, and the 8 sums come out as one vector, a position's scores for the 8 rows (also returned)
-template <int D>
-static inline __m256 qk_col8(const float* q, const uint16_t* k, float* s) {
+// 16 values of K or V as two fp32 vectors: bf16 unpacked under zeros (dimensions 0-3, 8-11 and 4-7, 12-15), int8
+// sign-extended (0-7 and 8-15)
+static inline void widen16(const uint16_t* p, __m256* a, __m256* b) {
+    __m256i w = _mm256_loadu_si256((const __m256i*)p);
+    *a = lo(w), *b = hi(w);
+}
+static inline void widen16(const int8_t* p, __m256* a, __m256* b) {
+    *a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    *b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
+}
+
+// s[r] = scale q_r . k for 8 query rows (D apart, each 16 dimensions in the order widen16 gives) and one position of
+// K: K is widened in registers, each vector serving the 8 rows, and the 8 sums come out as one vector, a position's
+// scores for the 8 rows (also returned)
+template <int D, typename T>
+static inline __m256 qk_col8(const float* q, const T* k, float scale, float* s) {
     __m256 a[8];
     for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 16) {
-        __m256i w = _mm256_loadu_si256((const __m256i*)(k + d));
-        __m256 k0 = lo(w), k1 = hi(w);
+        __m256 k0, k1;
+        widen16(k + d, &k0, &k1);
         for (int r = 0; r < 8; r++)
             a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), k1,
                                    _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k0, a[r]));
     }
-    __m256 t = sum8x8(a);
+    __m256 t = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));
     _mm256_storeu_ps(s, t);
     return t;
 }
 
-// o_r += sum_j p[j][r] v_j for RT (1 to 4) rows (p's positions ld apart, o D + 2 apart, o's dimensions in qk_col8's
-// order) over n positions of bf16 V (D apart), 16 dimensions at a time: each V vector unpacked serves RT rows
-template <int D, int RT>
-static inline void pv_tile16(const float* p, int64_t ld, const uint16_t* v, int64_t n, float* o) {
+// o_r += sum_j p[j][r] v_j for RT (1 to 4) rows (p's positions ld apart, o D + 2 apart, o's dimensions in widen16's
+// order) over n positions of V (D apart), 16 dimensions at a time: each V vector widened serves RT rows. Each 32
+// dimensions have weights of their own, cs apart (an int8 V's scales are in them; 0 for bf16: the same weights).
+template <int D, int RT, typename T>
+static inline void pv_tile16(const float* p, int64_t ld, int64_t cs, const T* v, int64_t n, float* o) {
     for (int d = 0; d < D; d += 16) {
+        const float* pd = p + d / 32 * cs;
         __m256 acc[RT][2];
         for (int r = 0; r < RT; r++)
             for (int i = 0; i < 2; i++) acc[r][i] = _mm256_loadu_ps(o + r * (D + 2) + d + 8 * i);
         for (int64_t j = 0; j < n; j++) {
-            __m256i w = _mm256_loadu_si256((const __m256i*)(v + j * D + d));
-            __m256 v0 = lo(w), v1 = hi(w);
+            __m256 v0, v1;
+            widen16(v + j * D + d, &v0, &v1);
             for (int r = 0; r < RT; r++) {
-                __m256 pj = _mm256_broadcast_ss(p + j * ld + r);
+                __m256 pj = _mm256_broadcast_ss(pd + j * ld + r);
                 acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
             }
         }
@@ -671,12 +684,23 @@ static inline void pv_tile32(const float* p, int64_t ld, const uint16_t* v, int6
             for (int i = 0; i < 2; i++) _mm512_storeu_ps(o + r * (D + 2) + d + 16 * i, acc[r][i]);
     }
 }
-#define PV(D, RT) (D >= 32 ? pv_tile32<D, RT> : pv_tile16<D, RT>)
 static inline int64_t out_slot(int64_t D, int64_t d) { return D >= 32 ? in32(d) : in16(d); }  // where o keeps d
 #else
-#define PV(D, RT) pv_tile16<D, RT>
 static inline int64_t out_slot(int64_t, int64_t d) { return in16(d); }
 #endif
+static inline int64_t plain(int64_t, int64_t d) { return d; }  // where o keeps d over an int8 cache
+
+template <int D, int RT>
+static inline void pv(const float* p, int64_t ld, int64_t, const uint16_t* v, int64_t n, float* o) {
+#ifdef __AVX512F__
+    if constexpr (D >= 32) return pv_tile32<D, RT>(p, ld, v, n, o);
+#endif
+    pv_tile16<D, RT>(p, ld, 0, v, n, o);
+}
+template <int D, int RT>
+static inline void pv(const float* p, int64_t ld, int64_t cs, const int8_t* v, int64_t n, float* o) {
+    pv_tile16<D, RT>(p, ld, cs, v, n, o);
+}
 
 // [lo, hi): the positions of [j0, j1) that some row of mask [S, L] attends (lo >= hi: none)
 static inline void span(const uint8_t* mask, int64_t S, int64_t L, int64_t j0, int64_t j1, int64_t* lo, int64_t* hi) {
@@ -706,35 +730,39 @@ static inline void clear(float* part, int64_t R, int64_t D) {  // R rows that se
 
 // One task: the R = (H / Hkv) * S query rows of one KV head, over cache positions [j0, j1) (k and v point at the
 // head's position 0, mask at the batch row's [S, L]). Writes per row the softmax maximum m, the sum of e^(s - m),
-// and the unnormalized output (D values, in out_slot's order) to part [R][D + 2]. Only the span of positions some row
-// attends is read (a short context in a longer cache skips the rest), in blocks of 8 KB that stay in L1 while the
-// rows go over them (8 at a time for the scores, 4 for the weighted sum), widening bf16 in registers. At 4k
-// positions, an fp32 copy of each block took 28% longer, and leaving the reads to the hardware prefetcher 20% longer.
-template <int D>
-static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, const uint8_t* mask, int64_t S,
-                         int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
-    constexpr int64_t BJ = 4096 / D < CHUNK ? 4096 / D : CHUNK;  // positions per block: 8 KB of K or V
-    static thread_local vec<float> sc;
+// and the unnormalized output (D values, in out_slot's order, or plain over int8) to part [R][D + 2]. Only the span
+// of positions some row attends is read (a short context in a longer cache skips the rest), in blocks of 8 KB that
+// stay in L1 while the rows go over them (8 at a time for the scores, 4 for the weighted sum), widening K and V in
+// registers. At 4k positions, an fp32 copy of each block took 28% longer, and leaving the reads to the hardware
+// prefetcher 20% longer. Over an int8 cache (T int8_t) ks holds K's scale per position, and vs V's per position and
+// 32 dimensions (D / 32 a position): they multiply the scores, and the weights of each 32 dimensions.
+template <int D, typename T>
+static void attend_chunk(const float* qf, const T* k, const float* ks, const T* v, const float* vs,
+                         const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
+    constexpr int64_t BJ = 8192 / D / sizeof(T) < CHUNK ? 8192 / D / sizeof(T) : CHUNK;  // positions per block
+    constexpr int64_t NC = sizeof(T) == 1 ? D / 32 : 0, W = D * sizeof(T);  // V's scales a position; bytes a row
+    static thread_local vec<float> sc, pc;  // [n][R8] the scores, then the weights; [NC][n][R8] times V's scales
     int64_t lo, hi;
     span(mask, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
     if (lo >= hi) return;
-    const int64_t n = hi - lo, R8 = (R + 7) / 8 * 8;  // scores [n][R8]: rows past R are padding (q's zero rows)
-    sc.resize(n * R8);
+    const int64_t n = hi - lo, R8 = (R + 7) / 8 * 8;  // rows past R are padding (q's zero rows)
+    sc.resize(n * R8), pc.resize(NC * n * R8);
     static thread_local vec<float> top;  // each row's highest score, kept as the scores come out
     top.assign(R8, -INFINITY);
     // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
     // blocks of K (the same thread's next task, mostly) during the weighted sum
     const int64_t cols = R8 / 8 * n, early = 2 * BJ < n ? 2 * BJ : n;  // the first two blocks, asked for at once
-    for (Stream first(k + lo * D, early * D * 2, 1); first.p < first.end;) first.step();
+    for (Stream first(k + lo * D, early * W, 1); first.p < first.end;) first.step();
     // (paced every 4th position: asking every position cost 8% of the kernel in instructions)
-    Stream ks(k + (lo + early) * D, (n - early) * D * 2, cols / 4), vs(v + lo * D, n * D * 2, cols / 4);
+    Stream kstream(k + (lo + early) * D, (n - early) * W, cols / 4), vstream(v + lo * D, n * W, cols / 4);
     for (int64_t b = 0; b < n; b += BJ)  // scores: a block of K stays in L1 for every row
         for (int64_t r = 0; r < R8; r += 8) {
             __m256 m = _mm256_loadu_ps(&top[r]);
             for (int64_t j = b; j < b + BJ && j < n; j++) {
-                m = _mm256_max_ps(m, qk_col8<D>(qf + r * D, k + (lo + j) * D, &sc[j * R8 + r]));
-                if (j % 4 == 0) ks.step(), vs.step();
+                const float scale = NC ? ks[lo + j] : 1.f;
+                m = _mm256_max_ps(m, qk_col8<D>(qf + r * D, k + (lo + j) * D, scale, &sc[j * R8 + r]));
+                if (j % 4 == 0) kstream.step(), vstream.step();
             }
             _mm256_storeu_ps(&top[r], m);
         }
@@ -756,25 +784,28 @@ static void attend_chunk(const float* qf, const uint16_t* k, const uint16_t* v, 
             __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&sc[j * R8 + r]), m));
             _mm256_storeu_ps(&sc[j * R8 + r], p);
             sum = _mm256_add_ps(sum, p);
+            for (int64_t c = 0; c < NC; c++)
+                _mm256_storeu_ps(&pc[(c * n + j) * R8 + r], _mm256_mul_ps(p, _mm256_set1_ps(vs[(lo + j) * NC + c])));
         }
         alignas(32) float mv[8], lv[8];
         _mm256_store_ps(mv, mx), _mm256_store_ps(lv, sum);
         for (int64_t t = 0; t < 8 && r + t < R; t++)
             part[(r + t) * (D + 2)] = mv[t], part[(r + t) * (D + 2) + 1] = lv[t];
     }
+    const float* w = NC ? pc.data() : sc.data();
     const int64_t next = L - j1 < 2 * BJ ? L - j1 : 2 * BJ;
-    Stream ns(k + j1 * D, next * D * 2, (n + BJ - 1) / BJ * ((R + 3) / 4));
+    Stream ns(k + j1 * D, next * W, (n + BJ - 1) / BJ * ((R + 3) / 4));
     for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
         for (int64_t r = 0; r < R; r += 4) {
-            const float* p = &sc[b * R8 + r];
-            const uint16_t* vb = v + (lo + b) * D;
+            const float* p = w + b * R8 + r;
+            const T* vb = v + (lo + b) * D;
             const int64_t nb = BJ < n - b ? BJ : n - b;
             float* o = part + r * (D + 2) + 2;
             switch (R - r < 4 ? R - r : 4) {
-                case 4: PV(D, 4)(p, R8, vb, nb, o); break;
-                case 3: PV(D, 3)(p, R8, vb, nb, o); break;
-                case 2: PV(D, 2)(p, R8, vb, nb, o); break;
-                default: PV(D, 1)(p, R8, vb, nb, o);
+                case 4: pv<D, 4>(p, R8, n * R8, vb, nb, o); break;
+                case 3: pv<D, 3>(p, R8, n * R8, vb, nb, o); break;
+                case 2: pv<D, 2>(p, R8, n * R8, vb, nb, o); break;
+                default: pv<D, 1>(p, R8, n * R8, vb, nb, o);
             }
             ns.step();
         }
@@ -1027,12 +1058,13 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
             }
 #endif
             const float* qt = qf + q0;
+            const uint8_t* mt = mask + b * mb;
             switch (D) {
-                case 64: attend_chunk<64>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-                case 128: attend_chunk<128>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-                case 256: attend_chunk<256>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-                case 32: attend_chunk<32>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part); break;
-                default: attend_chunk<16>(qt, kt, vt, mask + b * mb, S, L, R, j0, j1, part);
+                case 64: attend_chunk<64>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
+                case 128: attend_chunk<128>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
+                case 256: attend_chunk<256>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
+                case 32: attend_chunk<32>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
+                default: attend_chunk<16>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part);
             }
         }
         merge<out_slot>(parts, out, B, H, Hkv, S, D, chunks);
@@ -1278,6 +1310,40 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
         merge<slot8>(parts, out, B, H, Hkv, S, D, chunks);
     }
 }
+#else
+// attend_int8 without VNNI (AVX2, or AVX-512 without it): attend_chunk over the int8 cache, K and V widened to fp32
+// in registers as bf16 ones are, q in fp32 and the weights unrounded: exact attention over the int8 values (up to
+// fp32 rounding), reading half the bytes of a bf16 cache instead of a dequantized copy's three times as many.
+extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks, const int8_t* v, const float* vs,
+                            const uint8_t* mask, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
+                            int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t ksb, int64_t ksh, int64_t vsb,
+                            int64_t vsh, int64_t mb) {
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks;
+    static thread_local vec<float> qf_, parts_;
+    parts_.resize(tasks * R * (D + 2));
+    qf_.assign(B * H * S * D + 8 * D, 0.f);  // q in fp32, scaled, and 8 zero rows: padding
+    for (int64_t i = 0; i < B * H * S * D; i++) qf_[i] = from_bf16(q[i]) / sqrtf((float)D);
+    float *qf = qf_.data(), *parts = parts_.data();
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
+            const float* qt = qf + (b * H + h * G) * S * D;
+            const int8_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
+            const float *kst = ks + b * ksb + h * ksh, *vst = vs + b * vsb + h * vsh;
+            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+            const uint8_t* mt = mask + b * mb;
+            float* part = &parts[t * R * (D + 2)];
+            switch (D) {
+                case 64: attend_chunk<64>(qt, kt, kst, vt, vst, mt, S, L, R, j0, j1, part); break;
+                case 128: attend_chunk<128>(qt, kt, kst, vt, vst, mt, S, L, R, j0, j1, part); break;
+                default: attend_chunk<256>(qt, kt, kst, vt, vst, mt, S, L, R, j0, j1, part);
+            }
+        }
+        merge<plain>(parts, out, B, H, Hkv, S, D, chunks);
+    }
+}
 #endif
 """
 
@@ -1339,7 +1405,7 @@ GLUE = r"""
 #include <torch/library.h>
 
 using at::Tensor;
-static void* K[6];  // gemv_bf16, gemv_int8, gemv_int4, dequantize_int4, attend, attend_int8 (or null) of the loaded set
+static void* K[6];  // gemv_bf16, gemv_int8, gemv_int4, dequantize_int4, attend, attend_int8 of the loaded set
 extern "C" void set_kernels(void** k) { for (int i = 0; i < 6; i++) K[i] = k[i]; }
 
 static Tensor out(const Tensor& x, int64_t n, bool f32) {  // [..., n], bf16 or float32
@@ -1404,8 +1470,7 @@ static Tensor attend(const Tensor& q_, const Tensor& k, const Tensor& v, const T
 // float32 (slices of the cache)
 static Tensor attend_int8(const Tensor& q_, const Tensor& k, const Tensor& ks, const Tensor& v, const Tensor& vs,
                           const Tensor& mask) {
-    TORCH_CHECK(K[5], "attend_int8: the loaded kernel set has no int8 attention (it needs AVX512-VNNI)");
-    Tensor q = q_.contiguous();
+        Tensor q = q_.contiguous();
     int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), L = k.size(2);
     Tensor m = mask.expand({B, 1, S, L}), y = at::empty(q.sizes(), q.options());
     ((void (*)(void*, void*, void*, void*, void*, void*, void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -1605,9 +1670,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is
 
 def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
               enable_gqa: bool) -> Tensor:
-    """model.sdpa_int8 (attention over an int8 cache), with a few query rows through attend_int8() where this CPU
-    has AVX512-VNNI; elsewhere, and for prefill, model.py's own (dequantize, then sdpa above)."""
-    if (q.size(2) < MAX_ROWS and "vnni" in kernels.split("+") and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    """model.sdpa_int8 (attention over an int8 cache), with a few query rows through attend_int8(); anything else
+    (prefill, other head sizes) through model.py's own: dequantize, then sdpa above."""
+    if (q.size(2) < MAX_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu"
             and q.size(-1) in (64, 128, 256) and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v)
             and k.stride() == v.stride() and k_scale.size(-1) == 1 and k_scale.stride(-2) == 1
             and v_scale.size(-1) == q.size(-1) // 32 and v_scale.stride(-2) == v_scale.size(-1) and v_scale.stride(-1) == 1

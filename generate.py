@@ -476,7 +476,7 @@ def parser() -> argparse.ArgumentParser:
 def add_kv_cache_option(p: argparse.ArgumentParser):
     p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "int8"], help="auto: the model's dtype; "
                    "int8: about half the memory, keys rounded to int8 with a scale per position and head, values with one per "
-                   "32 (on CPUs with AVX512-VNNI a kernel reads it as it is, elsewhere it is dequantized every step)")
+                   "32 (on x86 CPUs decode attention reads it as it is; elsewhere it is dequantized every step)")
 
 
 KV_DTYPES = {"auto": None, "int8": torch.int8}

@@ -304,10 +304,10 @@ def in_a_longer_cache(q: torch.Tensor, scale: torch.Tensor, spare: int):  # [B, 
     (2, 2, 2, 1, 70, 256, [5, 0]),  # 256 dimensions
     (1, 8, 1, 3, 40, 32, None),  # 32 dimensions: dequantized, then the bf16 kernel
 ])
-def test_attention_over_an_int8_cache_stays_within_two_percent_of_exact(kernels, B, H, Hkv, S, L, D, pad):
+def test_attention_over_an_int8_cache_stays_near_exact(kernels, B, H, Hkv, S, L, D, pad):
     # with AVX512-VNNI the kernel also rounds q to int8 per row and the weights to 8 bits per block of positions:
-    # 0.8-1.3% here, where random keys spread the weights evenly (the worst case for 8 bits); dequantized for the
-    # bf16 kernel (the other sets, and 32 dimensions), 0.3%
+    # 0.8-1.3% here, where random keys spread the weights evenly (the worst case for 8 bits); without VNNI it widens
+    # K and V to fp32 and only its bf16 output rounds, as when 32 dimensions are dequantized for the bf16 kernel
     torch.manual_seed(0)
     q, k, v, mask = attention_case(B, H, Hkv, S, L, D, pad, cache=L + 50)
     (k8, ks), (v8, vs) = (in_a_longer_cache(*quantize_rows(t, n), 50) for t, n in ((k, D), (v, min(32, D))))
@@ -315,7 +315,8 @@ def test_attention_over_an_int8_cache_stays_within_two_percent_of_exact(kernels,
     exact = F.scaled_dot_product_attention(q.double(), kd, vd, attn_mask=mask, enable_gqa=True)
     got = cpu_gemv.sdpa_int8(q, k8, ks, v8, vs, attn_mask=mask, enable_gqa=H != Hkv)
     assert got.shape == exact.shape and got.dtype == torch.bfloat16
-    assert ((got.double() - exact).norm() / exact.norm()).item() < 2e-2
+    rounded = "vnni" in kernels.split("+") and D >= 64
+    assert ((got.double() - exact).norm() / exact.norm()).item() < (2e-2 if rounded else 5e-3)
 
 
 def test_attention_the_kernel_cannot_do_is_torchs():
