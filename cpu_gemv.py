@@ -622,9 +622,9 @@ static inline void widen16(const int8_t* p, __m256* a, __m256* b) {
     *b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))));
 }
 
-// s[r] = scale q_r . k for 8 query rows (D apart, each 16 dimensions in the order widen16 gives) and one position of
-// K: K is widened in registers, each vector serving the 8 rows, and the 8 sums come out as one vector, a position's
-// scores for the 8 rows (also returned)
+// s[r] = q_r . k (times scale over int8) for 8 query rows (D apart, each 16 dimensions in the order widen16 gives)
+// and one position of K: K is widened in registers, each vector serving the 8 rows, and the 8 sums come out as one
+// vector, a position's scores for the 8 rows (also returned)
 template <int D, typename T>
 static inline __m256 qk_col8(const float* q, const T* k, float scale, float* s) {
     __m256 a[8];
@@ -636,7 +636,8 @@ static inline __m256 qk_col8(const float* q, const T* k, float scale, float* s) 
             a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d + 8), k1,
                                    _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), k0, a[r]));
     }
-    __m256 t = _mm256_mul_ps(sum8x8(a), _mm256_set1_ps(scale));
+    __m256 t = sum8x8(a);
+    if constexpr (sizeof(T) == 1) t = _mm256_mul_ps(t, _mm256_set1_ps(scale));  // bf16 q comes scaled
     _mm256_storeu_ps(s, t);
     return t;
 }
