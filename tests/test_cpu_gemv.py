@@ -319,6 +319,17 @@ def test_attention_over_an_int8_cache_stays_near_exact(kernels, B, H, Hkv, S, L,
     assert ((got.double() - exact).norm() / exact.norm()).item() < (2e-2 if rounded else 5e-3)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_every_kernel_set_reads_an_int8_cache_in_place(kernels, D, monkeypatch):
+    # the fallback dequantizes the whole cache every step: it would pass the accuracy test above as well
+    def dequantized(*args):
+        raise AssertionError("the int8 cache was dequantized")
+    monkeypatch.setattr(cpu_gemv, "dequantize_rows", dequantized)
+    q, k, v, mask = attention_case(1, 8, 2, 1, 300, D)
+    (k8, ks), (v8, vs) = (in_a_longer_cache(*quantize_rows(t, n), 50) for t, n in ((k, D), (v, 32)))
+    assert cpu_gemv.sdpa_int8(q, k8, ks, v8, vs, attn_mask=mask, enable_gqa=True).isfinite().all()
+
+
 def test_attention_the_kernel_cannot_do_is_torchs():
     q, k, v, mask = attention_case(1, 4, 2, 40, 60, 64)  # 40 query rows: prefill
     assert torch.equal(cpu_gemv.sdpa(q, k, v, attn_mask=mask, enable_gqa=True),
