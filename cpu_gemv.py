@@ -185,10 +185,11 @@ static inline void even_odd(int8_t* p) {
     _mm256_storeu_si256((__m256i*)(p + 32), _mm256_permute2x128_si256(h[0], h[1], 0x31));
 }
 
-// even_odd_order (int4; K a multiple of 64): within every 64 values, the 32 at even positions first, then the 32 at
-// odd ones, which is where a 32-byte load of packed weights finds them (its low nibbles, then its high ones)
-// d, c and sum have zeros after the last block, up to a multiple of 8 blocks.
-static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd_order, XQ& p) {
+// span (int4): within every span of 64 values (K a multiple of 64), the 32 at even positions first, then the 32 at
+// odd ones, which is where a 32-byte load of packed weights finds them (its low nibbles, then its high ones); span
+// 128 (K a multiple of 128) likewise for a 64-byte load. d, c and sum have zeros after the last block, up to a
+// multiple of 8 blocks.
+static void prepare(const uint16_t* x, int64_t K, int64_t B, int span, XQ& p) {
     const int64_t b8 = (K / B + 7) / 8 * 8;
     p.q.resize(K); p.d.assign(b8, 0.f); p.c.assign(b8, 0.f); p.sum.assign(b8, 0.f);
     const __m256 sign = _mm256_set1_ps(-0.f);
@@ -217,14 +218,70 @@ static void prepare(const uint16_t* x, int64_t K, int64_t B, bool even_odd_order
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
         p.d[b] = d; p.c[b] = d * _mm_cvtsi128_si32(s4); p.sum[b] = hsum8(sum);
     }
-    if (even_odd_order)  // by 64 whatever the block: a 32-byte load of weights holds 64 of them (two groups of 32)
+    if (span)  // by 64 whatever the block: a 32-byte load of weights holds 64 of them (two groups of 32)
         for (int64_t j = 0; j < K; j += 64) even_odd(&p.q[j]);
+    if (span == 128)  // [evens, odds, evens, odds] by 32 -> [evens, odds] by 64: the middle two swap
+        for (int64_t j = 0; j < K; j += 128) {
+            __m256i a = _mm256_loadu_si256((const __m256i*)&p.q[j + 32]);
+            _mm256_storeu_si256((__m256i*)&p.q[j + 32], _mm256_loadu_si256((const __m256i*)&p.q[j + 64]));
+            _mm256_storeu_si256((__m256i*)&p.q[j + 64], a);
+        }
 }
 
-// int8 w (scale per row) against x in blocks of 32: |w| times x with w's sign, as maddubs wants unsigned by signed
-static inline float dot_i8(const XQ& p, const int8_t* w, int64_t K) {
+// 8 vectors -> one: lane t is the sum of a[t]'s lanes
+static inline __m256 sum8x8(const __m256* a) {
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+static inline __m256i sum8x8_i32(const __m256i* a) {
+    __m256i s01 = _mm256_hadd_epi32(a[0], a[1]), s23 = _mm256_hadd_epi32(a[2], a[3]);
+    __m256i s45 = _mm256_hadd_epi32(a[4], a[5]), s67 = _mm256_hadd_epi32(a[6], a[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                            _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define FLIP 128
+#else
+#define FLIP 0
+#endif
+
+// int8 w (scale per row) against x in blocks of 32; returns 8 lanes whose sum less FLIP x sum of p.c is the product.
+// AVX2: |w| times x with w's sign, as maddubs wants unsigned by signed. AVX-512 VNNI: w + 128 as unsigned (one xor),
+// so sum (w + 128) x = sum w x + 128 sum x, the last taken off once a row; 64 weights a step, and the 8 blocks'
+// integer sums gathered into one vector, converted and scaled together: 1.5x as fast with the weights in cache
+// (Zen 5; from memory, which bounds both, the same).
+static inline __m256 dot_i8(const XQ& p, const int8_t* w, int64_t K) {
     __m256 total = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
+    int64_t k = 0;
+#if FLIP
+    const __m512i flip = _mm512_set1_epi8(-128);
+    for (; k + 256 <= K; k += 256) {
+        __m256i acc[8];
+        for (int i = 0; i < 4; i++) {
+            ahead(w + k + 64 * i);
+            __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + k + 64 * i), flip);
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(&p.q[k + 64 * i]));
+            acc[2 * i] = _mm512_castsi512_si256(a), acc[2 * i + 1] = _mm512_extracti64x4_epi64(a, 1);
+        }
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p.d[k / 32]), total);
+    }
+    if (k < K) {  // the last blocks, fewer than 8 (d is 0 past the last)
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) {
+            acc[i] = _mm256_setzero_si256();
+            if (k + 32 * i >= K) continue;  // nothing read past the row
+            __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k + 32 * i)), _mm256_set1_epi8(-128));
+            acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p.q[k + 32 * i]));
+        }
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p.d[k / 32]), total);
+    }
+#else
+    for (; k < K; k += 32) {
         ahead(w + k);
         __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), x = _mm256_loadu_si256((const __m256i*)&p.q[k]);
         __m256i a = _mm256_sign_epi8(v, v), sx = _mm256_sign_epi8(x, v);
@@ -235,7 +292,8 @@ static inline float dot_i8(const XQ& p, const int8_t* w, int64_t K) {
 #endif
         total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&p.d[k / 32]), total);
     }
-    return hsum8(total);
+#endif
+    return total;
 }
 
 // 64 packed int4 weights (32 bytes) times 64 int8 x in even-odd order -> 8 int32 sums of 8 products each
@@ -252,61 +310,116 @@ static inline __m256i dot64(const uint8_t* w, const int8_t* x) {
 #endif
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 128 packed int4 weights (64 bytes) times 128 int8 x in even-odd order by 128, added to a's 16 int32 sums. One load
+// kept for both nibbles: folded into each use, it was loaded twice.
+static inline __m512i dot128(__m512i a, const uint8_t* w, const int8_t* x) {
+    __m512i v = _mm512_loadu_si512(w);
+    asm("" : "+v"(v));
+    const __m512i nib = _mm512_set1_epi8(15);
+    a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, nib), _mm512_loadu_si512(x));
+    return _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), _mm512_loadu_si512(x + 64));
+}
+
+// n <= 8 groups' (G 64 or more) products in 512-bit steps: acc[i] holds group i's in its 8 int32 lanes
+template <int G>
+static inline void group_sums_wide(const uint8_t* w, const int8_t* x, int n, __m256i* acc) {
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
+    if (G == 64)  // a step holds two groups, one in each half
+        for (int i = 0; i < n; i += 2) {
+            ahead(w + 32 * i, AHEAD4);
+            __m512i a = dot128(_mm512_setzero_si512(), w + 32 * i, x + 64 * i);
+            acc[i] = _mm512_castsi512_si256(a), acc[i + 1] = _mm512_extracti64x4_epi64(a, 1);
+        }
+    else
+        for (int i = 0; i < n; i++) {
+            __m512i a = _mm512_setzero_si512();
+            for (int j = 0; j < G / 128; j++) {
+                ahead(w + i * G / 2 + 64 * j, AHEAD4);
+                a = dot128(a, w + i * G / 2 + 64 * j, x + i * G + 128 * j);
+            }
+            acc[i] = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+        }
+}
+#endif
+
+// n <= 8 groups' (G 64 or more) products in 256-bit steps: acc[i] holds group i's in its 8 int32 lanes
+template <int G>
+static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i* acc) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int i = 0; i < 8; i++) {
+        acc[i] = _mm256_setzero_si256();
+        if (i >= n) continue;
+        for (int j = 0; j < G / 64; j++) {  // 64 weights per step; unrolled, G being a constant
+            const uint8_t* wg = w + i * G / 2 + 32 * j;
+            const int8_t* xg = x + i * G + 64 * j;
+            if (j % 2 == 0) ahead(wg, AHEAD4);  // once a line, and further: 3% faster
+            __m256i v = _mm256_loadu_si256((const __m256i*)wg);
+            __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            __m256i xe = _mm256_loadu_si256((const __m256i*)xg), xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
+#ifdef __AVX512VNNI__
+            acc[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[i], lo, xe), hi, xo);
+#else
+            acc[i] = _mm256_add_epi16(acc[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
+#endif
+        }
+#ifndef __AVX512VNNI__
+        acc[i] = _mm256_madd_epi16(acc[i], _mm256_set1_epi16(1));
+#endif
+    }
+}
+
 // int4 w = (q - 8) * scale + zero per group of G (32, 64, 128 or 256) along K, two q per byte (low nibble first). A group's
 // products add up in 16-bit lanes (at most G/64 x 2 x 2 x 15 x 127 < 2^15), or in 32-bit ones with dpbusd; per group
-// sum (q - 8) x ~ d * (sum q xq) - 8 c. The per-group float work is done 8 groups at a time.
-template <int G>
-static inline float dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
-    const __m256i nib = _mm256_set1_epi8(15);
+// sum (q - 8) x ~ d * (sum q xq) - 8 c. The float work is done 8 groups at a time: the 8 groups' integer sums are
+// gathered into one vector, converted and scaled together (each group on its own took 1.08x the time, one core, L2,
+// Zen 5). wide: AVX-512 VNNI steps of 128 weights (x in even-odd order by 128): 1.34x as fast as 256-bit steps
+// there (one core, L3). Returns 8 lanes that add up to the row's product.
+template <int G, bool wide>
+static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
     __m256 total = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
     const int64_t groups = K / G;
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-        alignas(32) float sd[8];  // scale * d per group
+        __m256 sd;  // scale * d per group
         if (g0 + 8 <= groups) {
-            __m256 s = widen8(scales + g0), sdv = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
-            _mm256_store_ps(sd, sdv);
+            __m256 s = widen8(scales + g0);
+            sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
             rest = _mm256_fmadd_ps(widen8(zeros + g0), _mm256_loadu_ps(&p.sum[g0]), rest);
             rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), rest);
         } else {
+            alignas(32) float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             float r = 0.f;
             for (int64_t g = g0; g < groups; g++) {
-                sd[g - g0] = from_bf16(scales[g]) * p.d[g];
+                f[g - g0] = from_bf16(scales[g]) * p.d[g];
                 r += from_bf16(zeros[g]) * p.sum[g] - 8.f * from_bf16(scales[g]) * p.c[g];
             }
+            sd = _mm256_load_ps(f);
             rest = _mm256_add_ps(rest, _mm256_setr_ps(r, 0, 0, 0, 0, 0, 0, 0));
         }
-        if (G == 32) {  // two groups a load: int32 lanes 0-3 are the first group's, 4-7 the second's
+        if (G == 32) {  // two groups a 32-byte step: int32 lanes 0-3 are the first group's, 4-7 the second's
+            alignas(32) float f[8];
+            _mm256_store_ps(f, sd);
             for (int64_t g = g0; g < groups && g < g0 + 8; g += 2) {
                 if ((g - g0) % 4 == 0) ahead(w + g * 16, AHEAD4);
-                __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&sd[g - g0])),
-                                                _mm_broadcast_ss(&sd[g - g0 + 1]), 1);
+                __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&f[g - g0])),
+                                                _mm_broadcast_ss(&f[g - g0 + 1]), 1);
                 total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(w + g * 16, &p.q[g * 32])), s, total);
             }
             continue;
         }
-        for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
-            const uint8_t* wg = w + g * G / 2;
-            const int8_t* xg = &p.q[g * G];
-            __m256i acc = _mm256_setzero_si256();
-            for (int j = 0; j < G / 64; j++) {  // 64 weights per step; unrolled, G being a constant
-                if (j % 2 == 0) ahead(wg + 32 * j, AHEAD4);  // once a line, and further: 3% faster
-                __m256i v = _mm256_loadu_si256((const __m256i*)(wg + 32 * j));
-                __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-                __m256i xe = _mm256_loadu_si256((const __m256i*)(xg + 64 * j));
-                __m256i xo = _mm256_loadu_si256((const __m256i*)(xg + 64 * j + 32));
-#ifdef __AVX512VNNI__
-                acc = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, xe), hi, xo);
-#else
-                acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
+        __m256i acc[8];
+        const int n = groups - g0 < 8 ? groups - g0 : 8;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (wide) {  // n constant 8 in the first call, so that it unrolls
+            if (n == 8) group_sums_wide<G>(w + g0 * G / 2, &p.q[g0 * G], 8, acc);
+            else group_sums_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, acc);
+        } else
 #endif
-            }
-#ifndef __AVX512VNNI__
-            acc = _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
-#endif
-            total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_broadcast_ss(&sd[g - g0]), total);
-        }
+        if (n == 8) group_sums<G>(w + g0 * G / 2, &p.q[g0 * G], 8, acc);
+        else group_sums<G>(w + g0 * G / 2, &p.q[g0 * G], n, acc);
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), sd, total);
     }
-    return hsum8(_mm256_add_ps(total, rest));
+    return _mm256_add_ps(total, rest);
 }
 
 // the output head's int8 product (f32): x kept in fp32, each weight widened, so that logits closer than x's int8
@@ -385,23 +498,41 @@ extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* sc
     std::vector<XQ>& xq = xq_;  // (by reference in the parallel regions: a thread_local name is each thread's own)
     xq.resize(M);
     #pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, false, xq[m]);
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, 0, xq[m]);
     if (M > 1) {
         gemm_i8(xq, w, scales, y, M, N, K, f32);
         return;
     }
+    float shift = 0.f;  // FLIP x sum of c
+    for (int64_t b = 0; FLIP && b < K / 32; b++) shift += FLIP * xq[0].c[b];
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once
-        put(y, n, dot_i8(xq[0], w + n * K, K) * from_bf16(scales[n]), f32);
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {  // each weight row is read from memory once; 8 rows' sums reduced together
+        const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+        __m256 t[8];
+        for (int64_t i = 0; i < 8; i++) t[i] = dot_i8(xq[0], w + (n0 + (i < rows ? i : 0)) * K, K);
+        alignas(32) float o[8];
+        _mm256_store_ps(o, sum8x8(t));
+        for (int64_t i = 0; i < rows; i++) put(y, n0 + i, (o[i] - shift) * from_bf16(scales[n0 + i]), f32);
+    }
 }
 
-template <int G>
-static void gemv_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                    void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
+// One row of x. 8 weight rows at a time, their sums reduced together rather than each at the end of its row:
+// 1.09x as fast with the weights in cache (Zen 5).
+template <int G, bool wide>
+static void gemv_i4(const XQ& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y, int64_t N,
+                    int64_t K, int64_t f32) {
     #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            put(y, m * N + n, dot_i4<G>(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K), f32);
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+        const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+        __m256 t[8];
+        for (int64_t i = 0; i < 8; i++) {
+            const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
+            t[i] = dot_i4<G, wide>(xq, w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
+        }
+        alignas(32) float o[8];
+        _mm256_store_ps(o, sum8x8(t));
+        for (int64_t i = 0; i < rows; i++) put(y, n0 + i, o[i], f32);
+    }
 }
 
 // Many rows of x (prefill, verification): a tile of 2 rows of x by 2 rows of w, so that each weight vector
@@ -504,17 +635,22 @@ extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* s
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ>& xq = xq_;
     xq.resize(M);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const bool wide = M == 1 && G >= 64 && K % 128 == 0;
+#else
+    const bool wide = false;
+#endif
     #pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, true, xq[m]);
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, wide ? 128 : 64, xq[m]);
     if (M > 1) {
         if (G == 32) gemm_i4<32>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
         else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
-    } else if (G == 32) gemv_i4<32>(xq, w, scales, zeros, y, M, N, K, f32);
-    else if (G == 64) gemv_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
-    else if (G == 128) gemv_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
-    else gemv_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
+    } else if (G == 32) gemv_i4<32, false>(xq[0], w, scales, zeros, y, N, K, f32);
+    else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+    else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+    else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq[0], w, scales, zeros, y, N, K, f32);
 }
 
 // 8 fp32 -> 8 bf16, rounded to nearest even (dequantized weights are finite: no NaN to keep)
@@ -579,13 +715,6 @@ static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline __m256 sum8x8(const __m256* a) {  // lane t: the sum of a[t]'s lanes
-    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
 enum { CHUNK = 256 };  // cache positions per task

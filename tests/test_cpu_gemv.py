@@ -39,7 +39,7 @@ def test_bf16_product_equals_the_fp32_product_rounded_to_bf16(kernels, rows, n, 
     assert within_a_bf16_step(torch.ops.fast_decode.gemv_bf16(x, w), exact, x, w)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 5632, 2048), (1, 64, 96), (1, 5, 32), (3, 7, 64), (8, 1030, 384)])
+@pytest.mark.parametrize("rows,n,k", [(1, 5632, 2048), (1, 64, 96), (1, 5, 32), (1, 203, 2080), (3, 7, 64), (8, 1030, 384)])
 def test_int8_product_stays_within_a_percent_of_the_scaled_product(kernels, rows, n, k):
     # the kernel rounds x to int8 per block of 32 (as llama.cpp's Q8_0 does): about 0.5% here
     torch.manual_seed(0)
@@ -51,12 +51,13 @@ def test_int8_product_stays_within_a_percent_of_the_scaled_product(kernels, rows
 
 
 # one row: K a multiple of 128 or 64 short of one (the last group alone), every group size (32: GGUF's Q4_0 and
-# Q4_1 blocks, in SmolLM2's 576 and 1536 columns, and a last 8 groups cut short); more: tiles of 2 x 2
+# Q4_1 blocks, in SmolLM2's 576 and 1536 columns), rows and groups in whole blocks of 8 and not; more: tiles of 2 x 2
 @pytest.mark.parametrize("rows,n,k,groupsize", [(1, 5632, 2048, 128), (1, 7, 192, 64), (1, 5, 64, 64),
                                                 (1, 64, 1024, 256), (1, 33, 2176, 64), (3, 7, 256, 64),
                                                 (8, 1030, 512, 256), (64, 71, 1152, 128), (33, 40, 192, 64),
                                                 (1, 960, 576, 32), (1, 9, 1536, 32), (1, 5, 64, 32),
-                                                (5, 40, 576, 32), (2, 3, 320, 32)])
+                                                (5, 40, 576, 32), (2, 3, 320, 32), (1, 301, 1408, 128),
+                                                (1, 203, 2560, 256)])
 def test_int4_product_stays_within_a_percent_of_the_dequantized_product(kernels, rows, n, k, groupsize):
     # the kernel rounds x to int8 per group (and the result to bf16): about 0.7% here, against ~10% for int4 itself
     torch.manual_seed(0)
