@@ -1759,7 +1759,9 @@ def load(name: Optional[str] = None) -> Optional[str]:
 
 # ---- the kernels as torch ops --------------------------------------------------------------------------------------
 
-# torch ops, so that torch.compile keeps them in the graph: defined here, implemented by GLUE once a set is loaded
+# torch ops, so that torch.compile keeps them in the graph: defined here, implemented by GLUE once a set is loaded.
+# New behaviour takes a new op, never new arguments on an old one: a step inductor compiled and cached before calls
+# the op with the arguments it had then (a gemv given one more, defaulted, argument gave NaN from such a cache).
 _ops = torch.library.Library("fast_decode", "DEF")
 # f32: write the products in float32 instead of bf16 (the output head: see put() in the kernels)
 _ops.define("gemv_bf16(Tensor x, Tensor w, bool f32=False) -> Tensor")
