@@ -1929,7 +1929,23 @@ class GemvBf16(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if self.gemv and few_rows(x):
             return torch.ops.fast_decode.gemv_bf16(x, self.weight, self.f32)
-        return F.linear(x.to(self.dtype), self.weight.to(self.dtype)).to(torch.float32 if self.f32 else x.dtype)
+        if self.dtype == torch.float32 and self.weight.dtype == torch.bfloat16 and TILE_BYTES:
+            y = linear_f32_tiles(x, self.weight)
+        else:
+            y = F.linear(x.to(self.dtype), self.weight.to(self.dtype))
+        return y.to(torch.float32 if self.f32 else x.dtype)
+
+
+TILE_BYTES = 4 << 20  # fp32 weights converted at a time (0: the whole matrix at once)
+
+
+def linear_f32_tiles(x: Tensor, w: Tensor) -> Tensor:  # [..., K] x bf16 [N, K] -> [..., N] float32
+    """Many rows times a bf16 weight in fp32, the weight converted a tile of rows at a time, so that the GEMM reads
+    each converted tile from cache: the whole matrix converted at once went to memory and back, into pages freshly
+    mapped (and zeroed) every call. A 512-token TinyLlama bf16 prefill on a Zen 3 (AVX2), alternating in one
+    process: tiles of 4 MB 1.17-1.18x as fast as the whole matrix, 8 MB 1.15x, 2 MB 1.09x, 1 MB 0.96x."""
+    x, rows = x.float(), max(1, TILE_BYTES // (4 * w.size(1)))
+    return torch.cat([F.linear(x, w[i:i + rows].float()) for i in range(0, w.size(0), rows)], dim=-1)
 
 
 class GemvInt8(nn.Module):

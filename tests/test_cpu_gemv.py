@@ -139,6 +139,14 @@ def test_many_rows_of_quantized_layers_go_to_the_kernel_or_to_torchs_gemm_in_the
             assert ((ours(x).double() - exact).norm() / exact.norm()).item() < 1e-2
 
 
+def test_a_bf16_prefill_in_fp32_tiles_gives_the_whole_matrix_product(monkeypatch):
+    x, w = torch.randn(2, 40, 96).bfloat16(), torch.randn(100, 96).bfloat16()
+    monkeypatch.setattr(cpu_gemv, "TILE_BYTES", 4 * 96 * 7)  # 7 rows a tile: 15 tiles, the last of 2 rows
+    y = cpu_gemv.linear_f32_tiles(x, w)
+    assert y.dtype == torch.float32 and y.shape == (2, 40, 100)
+    torch.testing.assert_close(y, F.linear(x.float(), w.float()), rtol=1e-5, atol=1e-5)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
 def test_gate_and_up_become_one_product_with_the_same_outputs(mode):
