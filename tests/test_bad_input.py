@@ -1,14 +1,13 @@
 """Every bad input ends in one line on stderr and exit status 2, before any long work, and no input file changes.
-One row per kind of bad input: the row builds the input in a temporary folder, runs the command as a user would,
-and the test checks the status, the one line (it must name the problem), the absence of a traceback, and the hash
-of every file the command could have touched."""
+One row per kind of bad input: the row builds the input in a temporary folder, runs the command as a user would
+(forked by tests/launcher.py from a process that has imported torch: 4-5 s of start-up less a row), and the test
+checks the status, the one line (it must name the problem), the absence of a traceback, and the hash of every file
+the command could have touched."""
 import hashlib
 import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import errors_of, save_hf_llama, write_tiny_gguf
+from launcher import command
 
-ROOT = Path(__file__).resolve().parent.parent
 HUGE = 20 * 2**30  # sparse files this large take no disk space
-
-
-def run(script, *args, stdin=None):
-    argv = [sys.executable, str(ROOT / script), *(a if isinstance(a, bytes) else str(a) for a in args)]
-    return subprocess.run(argv, capture_output=True, timeout=300, cwd=ROOT, input=stdin)
 
 
 def fingerprint(folder: Path) -> dict:
@@ -283,10 +277,24 @@ def test_bad_input_gets_one_line_status_2_and_changes_no_file(row, checkpoint, s
     script, make, word = ROWS[row]
     args = make(tmp_path, checkpoint, sp_model_path)
     before = fingerprint(tmp_path), fingerprint(checkpoint)
-    result = run(script, *args, stdin=b"  \n" if "-" in args else None)
+    result = command(script, *args, stdin=b"  \n" if "-" in args else None)
     stderr = result.stderr.decode(errors="replace")
     lines = errors_of(stderr)
     assert result.returncode == 2, stderr
     assert "Traceback" not in stderr
     assert len(lines) == 1 and lines[0].startswith("error: ") and word in lines[0], stderr
     assert (fingerprint(tmp_path), fingerprint(checkpoint)) == before
+
+
+@pytest.mark.parametrize("ending", ["raise SystemExit(2)", "raise ValueError('no')", "sys.exit('bye')", "pass"])
+def test_the_launcher_ends_a_command_as_python_does(ending, tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "s.py"
+    script.write_text(f"import sys\nprint(sys.argv[1:], sys.stdin.read())\n{ending}\n")
+    args = ("--prompt", b"caf\xe9")
+    ours = command(script, *args, stdin=b"in")
+    python = subprocess.run([sys.executable, script, *args], input=b"in", capture_output=True, timeout=60)
+    assert (ours.returncode, ours.stdout) == (python.returncode, python.stdout)
+    assert ours.stderr.splitlines()[-1:] == python.stderr.splitlines()[-1:]  # the exception, or the message
+    assert (b"Traceback" in ours.stderr) == (b"Traceback" in python.stderr)

@@ -1,6 +1,5 @@
 """The built-in models trained on the Python standard library, their training script, and eval.py."""
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 from eval import perplexity, stdlib_files
 from checkpoint import load_model
 from generate import generate
+from launcher import command
 from tokenizer import Tokenizer
 from conftest import errors_of
 
@@ -20,8 +20,7 @@ N_FILES = 5  # the model card records perplexity on the first 5 held-out files
 
 
 def run(script, *args, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return command(script, *args, timeout=timeout, text=True)
 
 
 def recorded_perplexity(name):

@@ -1,20 +1,15 @@
 """chat.py: a conversation on standard input, one reply per line, with the KV cache kept between turns."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from checkpoint import load_tokenizer, read_config
 from conftest import errors_of
-
-ROOT = Path(__file__).resolve().parent.parent
+from launcher import command
 
 
 def chat(ckpt, lines, *flags, tmp=None):
     metrics = (tmp / "m.json") if tmp else None
-    cmd = [sys.executable, str(ROOT / "chat.py"), "--checkpoint_path", str(ckpt), "--temperature", "0",
-           "--max_new_tokens", "6", *flags] + (["--metrics_json", str(metrics)] if metrics else [])
-    r = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=600)
+    cmd = ["chat.py", "--checkpoint_path", str(ckpt), "--temperature", "0", "--max_new_tokens", "6", *flags] + (["--metrics_json", str(metrics)] if metrics else [])
+    r = command(*cmd, stdin=("\n".join(lines) + "\n").encode(), timeout=600, text=True)
     turns = json.loads(metrics.read_text())["turns"] if metrics and metrics.exists() else None
     return r, turns
 

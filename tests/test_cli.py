@@ -1,4 +1,5 @@
-"""`python generate.py` end to end, through a subprocess as a user would run it."""
+"""`python generate.py` end to end, as a user would run it (forked by tests/launcher.py; reading stdin and Ctrl-C in
+a process of their own)."""
 import json
 import shutil
 import subprocess
@@ -7,13 +8,13 @@ from pathlib import Path
 
 import pytest
 from conftest import errors_of
+from launcher import command
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "generate.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return command("generate.py", *args, timeout=timeout, text=True)
 
 
 # one schema for plain and speculative decoding; speculation's figures are null without it

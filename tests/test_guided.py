@@ -5,8 +5,6 @@ import ast
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import guided
 from checkpoint import load_model, load_tokenizer, read_config
 from conftest import needs_smollm2
 from generate import build_steps, generate, pick
+from launcher import command
 from speculative import speculative_generate
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -84,8 +83,7 @@ def smollm2(smollm2_imports):
 
 
 def run(script, *args, stdin=None):
-    r = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], input=stdin, capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+    r = command(script, *args, stdin=stdin and stdin.encode(), timeout=600, text=True)
     assert r.returncode == 0, r.stderr
     return r
 

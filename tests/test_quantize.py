@@ -2,9 +2,6 @@
 checkpoints from the command line to load_model."""
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +13,13 @@ from quantize import (GROUPSIZES, Int4Linear, Int8Linear, dequantize_int4, dequa
                       pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles)
 from quantize_checkpoint import quantize_checkpoint
 from conftest import errors_of
+from launcher import command
 
-ROOT = Path(__file__).resolve().parent.parent
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def run(script, *args):
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    return command(script, *args, timeout=600, text=True)
 
 
 @torch.no_grad()

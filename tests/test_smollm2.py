@@ -2,15 +2,12 @@
 package, imported with scripts/convert_gguf.py and chatted with through generate.py --chat and chat.py, in
 float32, bfloat16, int8 and int4."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import needs_smollm2
+from launcher import command
 
-ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "What is the capital of France?"
 
 
@@ -18,8 +15,7 @@ pytestmark = needs_smollm2
 
 
 def run(script, *args, stdin=None):
-    r = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], input=stdin, capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+    r = command(script, *args, stdin=stdin and stdin.encode(), timeout=600, text=True)
     assert r.returncode == 0, r.stderr
     return r
 

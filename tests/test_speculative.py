@@ -1,8 +1,5 @@
 """speculative.py: lossless speculative decoding with a draft model or prompt lookup."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +8,9 @@ import speculative
 from conftest import convert, errors_of, save_hf_llama
 from checkpoint import load_model
 from generate import generate, logits_to_probs
+from launcher import command
 from model import ModelArgs, Transformer
 from speculative import accept, prompt_lookup, speculative_generate
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -159,8 +155,7 @@ def test_quantized_target_and_draft_keep_greedy_output(pair, tmp_path):
 # ---- the command line --------------------------------------------------------------------------------------------
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, str(ROOT / "speculative.py"), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    return command("speculative.py", *args, text=True)
 
 
 def test_cli_reports_acceptance_statistics(pair, tmp_path):
