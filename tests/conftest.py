@@ -1,10 +1,16 @@
 """Session-scoped tiny tokenizer files, shared by tests that need a real tokenizer."""
 import base64
 import io
+import os
 import random
 
 import pytest
 import sentencepiece as spm
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n 2 on two cores: a torch thread per worker. With two each, every one of a test's many small parallel
+    # regions waited for a thread the other worker had descheduled: a sampling test of 20 s took 350.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 WORDS = ("the quick brown fox jumps over lazy dog model token layer attention cache "
          "def return import class self for in range if else print value list dict").split()

@@ -18,6 +18,16 @@ TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
 pytestmark = pytest.mark.skipif(not TARGETS or cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The kernels split rows and positions among threads and merge what each found: tested with two threads at
+    least, as decode runs them, even where the tests run one thread each (pytest -n 2)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=TARGETS)
 def kernels(request):
     assert cpu_gemv.load(request.param) == request.param
