@@ -9,8 +9,10 @@ import sentencepiece as spm
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n 2 on two cores: a torch thread per worker. With two each, every one of a test's many small parallel
-    # regions waited for a thread the other worker had descheduled: a sampling test of 20 s took 350.
+    # regions waited for a thread the other worker had descheduled: a sampling test of 20 s took 350. The commands
+    # the tests start still use two: their threads sleep when idle instead of spinning on a core the other needs.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 WORDS = ("the quick brown fox jumps over lazy dog model token layer attention cache "
          "def return import class self for in range if else print value list dict").split()
