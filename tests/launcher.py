@@ -6,8 +6,8 @@ arguments, and the tests run a few hundred. So the first command starts this fil
 that once, then forks a child per command: the child runs the script as __main__ with the command's argv, working
 folder and standard streams, and exits as the interpreter would, with the status of SystemExit, or 1 and the
 traceback on stderr. Requests go one JSON line at a time to the server's stdin ({"argv", "cwd", "stdin", "stdout",
-"stderr", "timeout"}: file names and seconds); each answer is a line on its stdout, the exit status (-9: killed at
-the timeout). Commands that need their own environment or signals still start a process of their own."""
+"stderr", "timeout"}: file names and seconds); each answer is a line on its stdout, the exit status or "timeout".
+Commands that need their own environment or signals still start a process of their own."""
 import atexit
 import importlib
 import json
@@ -29,7 +29,10 @@ MODULES = ["torch", "generate", "chat", "eval", "speculative", "tp", "convert_hf
 def preload():  # before any thread starts: a child forked from a process with an OpenMP pool cannot use one
     sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
     for name in MODULES:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # a command that needs it fails in its child, as it would alone, with the real error
     del sys.path[:2]  # each child puts its script's folder first, as the interpreter does
 
 
@@ -70,16 +73,16 @@ def run(request: dict, *server_files):  # in the child; never returns
         os._exit(status)
 
 
-def wait(pid: int, timeout: float) -> int:
+def wait(pid: int, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return os.waitstatus_to_exitcode(status)
+            return str(os.waitstatus_to_exitcode(status))
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            return -9
+            return "timeout"
         time.sleep(0.01)
 
 
@@ -119,12 +122,14 @@ def command(script, *args, stdin: bytes = None, timeout: float = 300, text: bool
     _server.stdin.write(json.dumps({"argv": argv, "cwd": str(ROOT), "timeout": timeout,
                                     **{k: str(v) for k, v in files.items()}}) + "\n")
     _server.stdin.flush()
-    status = int(_server.stdout.readline())
+    status = _server.stdout.readline().strip()
+    if not status:
+        raise RuntimeError(f"tests/launcher.py exited (status {_server.poll()}); its error is above")
     out, err = (files[f].read_bytes() for f in ("stdout", "stderr"))
     for f in files.values():
         f.unlink()
     if text:  # as subprocess's text mode reads them: universal newlines
         out, err = (b.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n") for b in (out, err))
-    if status == -9:
+    if status == "timeout":
         raise subprocess.TimeoutExpired(argv, timeout, out, err)
-    return subprocess.CompletedProcess(argv, status, out, err)
+    return subprocess.CompletedProcess(argv, int(status), out, err)
