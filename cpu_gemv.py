@@ -22,6 +22,7 @@ stderr says so and torch's kernels stay."""
 import ctypes
 import hashlib
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -1706,6 +1707,12 @@ def compile_set(source: str, flags: list[str]) -> Path:
 def build(source: str, flags: list[str]) -> ctypes.CDLL:
     """One kernel set, compiled for the CPU's instruction set and loaded."""
     return ctypes.CDLL(str(compile_set(source, flags)))
+
+
+# torch's C++-extension module guesses a CUDA home when imported (by build_glue, and by inductor's C++ builds), and a
+# CUDA build of torch on a machine with no GPU then warns "No CUDA runtime is found" on stderr: noise before every
+# run's output (and before a one-line error), about CUDA code that nothing here builds.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def build_glue() -> ctypes.CDLL:

@@ -244,3 +244,15 @@ def test_physical_cores_counts_at_least_one_and_at_most_the_cpus():
     import os
     import cli
     assert 1 <= cli.physical_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_torchs_guess_of_a_cuda_home_prints_nothing_once_the_kernels_module_is_imported(tmp_path):
+    """A CUDA build of torch on a machine without a GPU warns when its C++-extension module is imported (by the
+    kernels' build, and by inductor's). Called directly, the guess warns on any build; after cpu_gemv, not."""
+    import os
+    guess = "from torch.utils.cpp_extension import _find_cuda_home; _find_cuda_home()"
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", first + guess], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120) for first in ("", "import cpu_gemv; ")]
+    assert "No CUDA runtime is found" in runs[0].stderr  # what the warning looks like, where nothing stops it
+    assert runs[1].returncode == 0 and runs[1].stderr == ""
