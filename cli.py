@@ -12,11 +12,16 @@ from typing import Callable, Optional
 import torch
 
 BAD_INPUT, INTERRUPTED = 2, 130
+OLDEST_TORCH = "2.11"  # the oldest torch the tests pass on (2.11.0, 2.13.0); 2.5 lacks options and ops used here
 
 
 def fail(msg: str):
     print(f"error: {msg}", file=sys.stderr, flush=True)
     sys.exit(BAD_INPUT)
+
+
+if torch.__version__ < OLDEST_TORCH:  # checked on import, before any module sets an option this torch lacks
+    fail(f"torch {OLDEST_TORCH} or newer is needed; this is torch {torch.__version__}")
 
 
 def first_line(e: BaseException) -> str:

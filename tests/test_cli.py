@@ -246,6 +246,15 @@ def test_physical_cores_counts_at_least_one_and_at_most_the_cpus():
     assert 1 <= cli.physical_cores() <= len(os.sched_getaffinity(0))
 
 
+def test_a_torch_older_than_the_oldest_tested_gets_one_line_and_status_2():
+    code = ("import runpy, sys, torch; from torch.torch_version import TorchVersion; "
+            "torch.__version__ = TorchVersion('2.5.1'); sys.argv = ['generate.py']; "
+            "runpy.run_path('generate.py', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["error: torch 2.11 or newer is needed; this is torch 2.5.1"]
+
+
 def test_torchs_guess_of_a_cuda_home_prints_nothing_once_the_kernels_module_is_imported(tmp_path):
     """A CUDA build of torch on a machine without a GPU warns when its C++-extension module is imported (by the
     kernels' build, and by inductor's). Called directly, the guess warns on any build; after cpu_gemv, not."""
