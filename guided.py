@@ -8,6 +8,7 @@ ones. The mask for the next token is computed on a CPU thread while the device r
 releases the GIL). Where the grammar leaves one way to go on (`{"name": "` after `{`), the forced tokens are fed
 in one forward pass, like a short prefill, instead of one step each (fast-forward)."""
 import argparse
+import importlib.metadata
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -20,11 +21,19 @@ from torch import Tensor
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class NoLlguidance(argparse.ArgumentTypeError, ValueError):
+    """llguidance missing or too old: shown as it is by argparse (in an option's type, where a plain ValueError
+    became "invalid regex value") and, as a ValueError, by cli.run_main."""
+
+
 def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise ValueError("guided generation needs the llguidance package (pip install llguidance)") from None
+        raise NoLlguidance("guided generation needs the llguidance package (pip install llguidance)") from None
+    version = importlib.metadata.version("llguidance")  # 1.6 takes no list of end tokens, 1.8 misreads Lark grammars
+    if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < (1, 9):
+        raise NoLlguidance(f"guided generation needs llguidance 1.9 or newer; this is {version}")
     return llguidance
 
 

@@ -12,7 +12,7 @@ import torch
 
 import guided
 from checkpoint import load_model, load_tokenizer, read_config
-from conftest import needs_smollm2
+from conftest import errors_of, needs_smollm2
 from generate import build_steps, generate, pick
 from launcher import command
 from speculative import speculative_generate
@@ -165,6 +165,18 @@ def test_forced_tokens_are_fed_in_one_pass_and_counted(builtin):
     assert result.forwards + 1 < len(result.rows[0])  # fewer passes than tokens: forced ones came in batches
     assert result.metrics(1)["forced_tokens"] == result.forced
 
+
+@pytest.mark.parametrize("option", [["--json"], ["--regex", "a+"], ["--json_schema", "{}"]])
+def test_an_llguidance_older_than_1_9_is_named_in_one_line(monkeypatch, capsys, option):
+    real = guided.importlib.metadata.version
+    monkeypatch.setattr(guided.importlib.metadata, "version", lambda name: "1.6.1" if name == "llguidance" else real(name))
+    import cli
+    import generate
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(generate.main, [*option, "--max_new_tokens", "4"])
+    assert e.value.code == 2
+    [line] = errors_of(capsys.readouterr().err)  # argparse names the option first: "error: argument --regex: ..."
+    assert line.startswith("error: ") and line.endswith("guided generation needs llguidance 1.9 or newer; this is 1.6.1")
 
 def test_masked_sampling_draws_only_allowed_tokens_in_the_models_proportions():
     torch.manual_seed(0)
