@@ -11,6 +11,7 @@ multiples of 64 bytes first; any tensor still misaligned, here or in a file anot
 import dataclasses
 import json
 import math
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 import cpu_gemv
 import quantize
@@ -281,16 +283,53 @@ def load_tokenizer(checkpoint_path, args: ModelArgs) -> Tokenizer:
 
 
 def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels: str = "auto") -> Transformer:
-    """The model holding `state`, with the device's fastest kernels installed."""
+    """The model holding `state`, with the device's fastest kernels installed. `state` is emptied: its tensors
+    belong to the model now (on the CPU, copied into huge pages and each original freed as it goes)."""
     model = meta_model(args, quantization, state.keys())
     model.load_state_dict(state, assign=True, strict=False)
+    state.clear()
     if args.tie_embeddings and float_head(model):  # assign replaced the shared Parameter, so tie it again
         model.output.weight = model.tok_embeddings.weight
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cpu_kernels != "off":
         cpu_gemv.install(model)  # first: it takes the int4 layers it reads in their stored layout
     if quantization and dtype == torch.bfloat16:
         quantize.pack(model)  # the rest go to torch's int4 kernels, in their layout
+    if torch.device(device).type == "cpu":
+        into_huge_pages(model)
     return model.eval()
+
+
+def huge_pages() -> bool:
+    """Whether Linux gives 2 MB pages (transparent huge pages) to memory that asks for them."""
+    try:
+        return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in \
+            Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+def into_huge_pages(model: nn.Module):
+    """Every CPU weight moved into one anonymous block that asks for 2 MB pages. Decoding reads all the weights
+    every step; in the memory-mapped file they sit in 4 KB pages of the page cache, a TLB miss every 4 KB. A 1.1B
+    decode step, compiled, alternating in one process (Zen 3, AVX2): int4 1.08-1.11x as fast, bf16 1.04-1.05x, int8
+    0.98-1.04x. Each original is dropped once copied, so memory holds one copy (a file's pages stay only as cache)."""
+    slots = [(m, kind, name) for m in model.modules() for kind in ("_parameters", "_buffers")
+             for name, t in getattr(m, kind).items()
+             if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.nbytes]
+    if not huge_pages() or not slots:
+        return
+    sizes = {id(t): -(-t.nbytes // ALIGN) * ALIGN for m, kind, name in slots for t in [getattr(m, kind)[name]]}
+    block = mmap.mmap(-1, sum(sizes.values()) + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    block.madvise(mmap.MADV_HUGEPAGE)
+    memory = torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any weight in it
+    offset, moved = -memory.data_ptr() % (2 << 20), {}  # pages start on 2 MB boundaries
+    for m, kind, name in slots:
+        t = getattr(m, kind)[name]
+        if id(t) not in moved:  # a tied head shares the embedding's tensor: one copy for both
+            new = memory[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            moved[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+            offset += sizes[id(t)]
+        getattr(m, kind)[name] = moved[id(t)]
 
 
 def load_model(checkpoint_path, device="cpu", dtype=torch.bfloat16, cpu_kernels: str = "auto") -> Transformer:

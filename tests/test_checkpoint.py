@@ -1,6 +1,7 @@
 """checkpoint.py: the one reader and writer of native checkpoints. Every tensor it hands out is 64-byte aligned,
 whoever wrote the file, and writing never loses a file that was there."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpoint import load_model, read_checkpoint, save
+from torch import nn
+
+from checkpoint import huge_pages, into_huge_pages, load_model, read_checkpoint, save
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,6 +58,38 @@ def test_every_parameter_and_buffer_is_64_byte_aligned_after_load(checkpoint, tm
     model.setup_caches(1, 16)
     tensors = list(model.named_parameters()) + list(model.named_buffers())
     assert [n for n, t in tensors if t.data_ptr() % 64] == []
+
+
+def mapping_of(address: int) -> tuple[str, list[str]]:
+    """The file behind the memory that holds address ("" for anonymous memory) and its VmFlags, from smaps."""
+    found = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            fields = line.split()
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            found = (fields[5] if len(fields) > 5 else "") if lo <= address < hi else None
+        elif line.startswith("VmFlags:") and found is not None:
+            return found, line.split()[1:]
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.skipif(not huge_pages(), reason="this Linux gives no transparent huge pages")
+def test_loaded_weights_live_in_memory_that_asks_for_huge_pages_not_in_the_file(checkpoint):
+    model = load_model(checkpoint, "cpu", torch.bfloat16)
+    places = {n: mapping_of(t.data_ptr()) for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    assert places and {n: p for n, p in places.items() if p[0] != "" or "hg" not in p[1]} == {}
+
+
+@pytest.mark.skipif(not huge_pages(), reason="this Linux gives no transparent huge pages")
+def test_moving_weights_into_huge_pages_keeps_their_values_and_a_tied_head_one_tensor():
+    model = nn.ModuleDict({"emb": nn.Embedding(300, 64), "norm": nn.LayerNorm(64), "head": nn.Linear(64, 300)})
+    model.head.weight = model.emb.weight
+    model.register_buffer("steps", torch.arange(5))
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    into_huge_pages(model)
+    assert model.head.weight is model.emb.weight and isinstance(model.head.weight, nn.Parameter)
+    assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    assert all("hg" in mapping_of(t.data_ptr())[1] for t in model.state_dict().values())
 
 
 def test_int8_prefill_of_64_tokens_runs_from_a_file_whose_weights_sit_8_bytes_off(checkpoint, tmp_path):
