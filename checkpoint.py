@@ -319,8 +319,11 @@ def into_huge_pages(model: nn.Module):
     if not huge_pages() or not slots:
         return
     sizes = {id(t): -(-t.nbytes // ALIGN) * ALIGN for m, kind, name in slots for t in [getattr(m, kind)[name]]}
-    block = mmap.mmap(-1, sum(sizes.values()) + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        block = mmap.mmap(-1, sum(sizes.values()) + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        block.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # no room for a second mapping (a memory limit): the weights stay in the file's pages
+        return
     memory = torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any weight in it
     offset, moved = -memory.data_ptr() % (2 << 20), {}  # pages start on 2 MB boundaries
     for m, kind, name in slots:

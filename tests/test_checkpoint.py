@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-
 from torch import nn
 
 from checkpoint import huge_pages, into_huge_pages, load_model, read_checkpoint, save
@@ -90,6 +89,18 @@ def test_moving_weights_into_huge_pages_keeps_their_values_and_a_tied_head_one_t
     assert model.head.weight is model.emb.weight and isinstance(model.head.weight, nn.Parameter)
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
     assert all("hg" in mapping_of(t.data_ptr())[1] for t in model.state_dict().values())
+
+
+def test_weights_stay_where_they_are_when_no_memory_can_be_mapped(monkeypatch):
+    import checkpoint
+
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(checkpoint.mmap, "mmap", no_memory)
+    layer = nn.Linear(64, 64)
+    where = layer.weight.data_ptr()
+    into_huge_pages(layer)
+    assert layer.weight.data_ptr() == where
 
 
 def test_int8_prefill_of_64_tokens_runs_from_a_file_whose_weights_sit_8_bytes_off(checkpoint, tmp_path):
