@@ -92,8 +92,9 @@ def checkpoint(tmp_path_factory, sp_model_path):
 
 
 def errors_of(stderr: str) -> list[str]:
-    """stderr's lines less warnings (a busy machine adds one about threads): what bad input must reduce to one."""
-    return [line for line in stderr.strip().splitlines() if not line.startswith("warning:")]
+    """stderr's lines less warnings (a busy machine adds one about threads) and blank lines (Ctrl-C's message starts
+    on a fresh line after the text): what bad input must reduce to one."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("warning:")]
 
 
 # ---- a tokenizer.json model folder, as Hugging Face repos ship them -----------------------------------------------
