@@ -45,7 +45,9 @@ PRELUDE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <atomic>
 #include <new>
+#include <omp.h>
 #include <vector>
 
 // Scratch on 64-byte boundaries: malloc promises 16, and a 32-byte load that straddles two cache lines costs two.
@@ -59,6 +61,38 @@ template <typename T> struct Aligned64 {
     bool operator==(const Aligned64&) const { return true; }
 };
 template <typename T> using vec = std::vector<T, Aligned64<T>>;
+
+// body(a, b) for units [a, b) of [0, n), shared by the team: each thread owns one contiguous range, which it takes
+// from the front a chunk (of about `bytes`, at unit_bytes a unit) at a time, and once it runs out it takes chunks
+// from the back of the others' ranges. So every thread streams its own rows front to back, as a static split does,
+// and a thread the machine slows down is helped instead of waited for: with two halves, one thread finished 15% of
+// a product's time before the other, on average, either one (int4, 1.1B, Zen 3 VM).
+enum { CHUNK_BYTES = 65536 };
+struct alignas(64) Range { std::atomic<uint64_t> v; };  // front << 32 | back, in units
+template <typename F>
+static void share_rows(int64_t n, int64_t unit_bytes, int64_t bytes, F&& body) {
+    const int nt = omp_get_max_threads();
+    const int64_t chunk = bytes / unit_bytes > 1 ? bytes / unit_bytes : 1;
+    if (nt == 1 || n <= chunk) return body(0, n);
+    static thread_local std::vector<Range> ranges_;
+    std::vector<Range>& ranges = ranges_;  // (by reference in the region: a thread_local name is each thread's own)
+    if ((int)ranges.size() < nt) ranges = std::vector<Range>(nt);
+    for (int t = 0; t < nt; t++) ranges[t].v.store((uint64_t)(n * t / nt) << 32 | (uint64_t)(n * (t + 1) / nt));
+    #pragma omp parallel num_threads(nt)
+    for (int i = 0; i < nt; i++) {
+        const bool own = i == 0;
+        std::atomic<uint64_t>& r = ranges[(omp_get_thread_num() + i) % nt].v;
+        for (uint64_t v = r.load(std::memory_order_relaxed);;) {
+            const int64_t lo = v >> 32, hi = v & 0xffffffffu, take = chunk < hi - lo ? chunk : hi - lo;
+            if (lo >= hi) break;
+            const uint64_t next = own ? (uint64_t)(lo + take) << 32 | hi : (uint64_t)lo << 32 | (hi - take);
+            if (!r.compare_exchange_weak(v, next, std::memory_order_relaxed)) continue;
+            if (own) body(lo, lo + take);
+            else body(hi - take, hi);
+            v = r.load(std::memory_order_relaxed);
+        }
+    }
+}
 
 static inline float from_bf16(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -149,9 +183,10 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t
             __builtin_memcpy(&xs[i + j], &l, 4);
             __builtin_memcpy(&xs[i + 8 + j], &h, 4);
         }
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
-        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
+    share_rows(N, 2 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n = a; n < b; n++)  // each weight row is read from memory once, for every row of x
+            for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
+    });
 }
 """
 
@@ -519,10 +554,11 @@ extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* sc
         vec<float>& xs = xs_;
         xs.resize(M * K);
         for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
-        #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++)
-            for (int64_t m = 0; m < M; m++)
-                put(y, m * N + n, dot_i8_exact(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), 1);
+        share_rows(N, K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+            for (int64_t n = a; n < b; n++)
+                for (int64_t m = 0; m < M; m++)
+                    put(y, m * N + n, dot_i8_exact(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), 1);
+        });
         return;
     }
     std::vector<XQ>& xq = xq_;  // (by reference in the parallel regions: a thread_local name is each thread's own)
@@ -535,15 +571,16 @@ extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* sc
     }
     float shift = 0.f;  // FLIP x sum of c
     for (int64_t b = 0; FLIP && b < K / 32; b++) shift += FLIP * xq[0].c[b];
-    #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 8) {  // each weight row is read from memory once; 8 rows' sums reduced together
-        const int64_t rows = N - n0 < 8 ? N - n0 : 8;
-        __m256 t[8];
-        for (int64_t i = 0; i < 8; i++) t[i] = dot_i8(xq[0], w + (n0 + (i < rows ? i : 0)) * K, K);
-        alignas(32) float o[8];
-        _mm256_store_ps(o, sum8x8(t));
-        for (int64_t i = 0; i < rows; i++) put(y, n0 + i, (o[i] - shift) * from_bf16(scales[n0 + i]), f32);
-    }
+    share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {  // each weight row is read from memory once;
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;                 // 8 rows' sums reduced together
+            __m256 t[8];
+            for (int64_t i = 0; i < 8; i++) t[i] = dot_i8(xq[0], w + (n0 + (i < rows ? i : 0)) * K, K);
+            alignas(32) float o[8];
+            _mm256_store_ps(o, sum8x8(t));
+            for (int64_t i = 0; i < rows; i++) put(y, n0 + i, (o[i] - shift) * from_bf16(scales[n0 + i]), f32);
+        }
+    });
 }
 
 // One row of x. 8 weight rows at a time, their sums reduced together rather than each at the end of its row:
@@ -551,18 +588,19 @@ extern "C" void gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* sc
 template <int G, bool wide>
 static void gemv_i4(const XQ& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y, int64_t N,
                     int64_t K, int64_t f32) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += 8) {
-        const int64_t rows = N - n0 < 8 ? N - n0 : 8;
-        __m256 t[8];
-        for (int64_t i = 0; i < 8; i++) {
-            const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
-            t[i] = dot_i4<G, wide>(xq, w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
+    share_rows((N + 7) / 8, 8 * (K / 2 + K / G * 4), CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            __m256 t[8];
+            for (int64_t i = 0; i < 8; i++) {
+                const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
+                t[i] = dot_i4<G, wide>(xq, w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
+            }
+            alignas(32) float o[8];
+            _mm256_store_ps(o, sum8x8(t));
+            for (int64_t i = 0; i < rows; i++) put(y, n0 + i, o[i], f32);
         }
-        alignas(32) float o[8];
-        _mm256_store_ps(o, sum8x8(t));
-        for (int64_t i = 0; i < rows; i++) put(y, n0 + i, o[i], f32);
-    }
+    });
 }
 
 // Many rows of x (prefill, verification): a tile of 2 rows of x by 2 rows of w, so that each weight vector
@@ -1570,9 +1608,10 @@ extern "C" void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t
     vec<xbf16>& xs = xs_;
     xs.resize(M * K);
     for (int64_t i = 0; i < M * K; i++) xs[i] = sizeof(xbf16) == 2 ? x[i] : from_bf16(x[i]);
-    #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)  // each weight row is read from memory once, for every row of x
-        for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
+    share_rows(N, 2 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n = a; n < b; n++)  // each weight row is read from memory once, for every row of x
+            for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
+    });
 }
 
 """
