@@ -77,21 +77,26 @@ def test_int4_product_stays_within_a_percent_of_the_dequantized_product(kernels,
     assert ((got - exact).norm() / exact.norm()).item() < 1e-2
 
 
-def test_rows_taken_from_a_slowed_thread_are_computed_once_as_one_thread_would(kernels):
-    # seven threads on fewer cores: the system stops some of them mid-product, and the others take their rows
+def test_work_taken_from_a_slowed_thread_is_done_once_as_one_thread_would_do_it(kernels):
+    # seven threads on fewer cores: the system stops some of them mid-product, and the others take their rows (or
+    # attention's chunks); two inputs in turn, so that a part left undone cannot pass for the last call's result
     torch.manual_seed(0)
-    x = torch.randn(1, 2048).bfloat16()
+    xs, qs = torch.randn(2, 1, 2048).bfloat16(), torch.randn(2, 1, 32, 1, 64).bfloat16()
     w, q8 = torch.randn(1003, 2048).bfloat16(), torch.randint(-127, 128, (1003, 2048), dtype=torch.int8)
     q4 = quantize.quantize_int4(torch.randn(1003, 2048), 128)
     scales = (torch.rand(1003) / 64).bfloat16()
-    products = [lambda: torch.ops.fast_decode.gemv_bf16(x, w), lambda: torch.ops.fast_decode.gemv_int8(x, q8, scales),
-                lambda: torch.ops.fast_decode.gemv_int8(x, q8, scales, True),
-                lambda: torch.ops.fast_decode.gemv_int4(x, quantize.pack_nibbles(q4[0]), q4[1], q4[2])]
+    k, v = torch.randn(1, 4, 1024, 64).bfloat16(), torch.randn(1, 4, 1024, 64).bfloat16()
+    mask = torch.ones(1, 1, 1, 1024, dtype=torch.bool)
+    ops = torch.ops.fast_decode
+    work = [lambda i: ops.gemv_bf16(xs[i], w), lambda i: ops.gemv_int8(xs[i], q8, scales),
+            lambda i: ops.gemv_int8(xs[i], q8, scales, True),
+            lambda i: ops.gemv_int4(xs[i], quantize.pack_nibbles(q4[0]), q4[1], q4[2]),
+            lambda i: ops.attend(qs[i], k, v, mask)]
     torch.set_num_threads(1)
-    alone = [p() for p in products]
+    alone = [[f(i) for i in range(2)] for f in work]
     torch.set_num_threads(7)
-    for _ in range(50):
-        assert all(torch.equal(p(), a) for p, a in zip(products, alone))
+    for n in range(50):
+        assert all(torch.equal(f(n % 2), a[n % 2]) for f, a in zip(work, alone))
 
 
 def installed(layer: nn.Module) -> nn.Module:
