@@ -299,10 +299,14 @@ class Transformer(nn.Module):
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
         for layer in self.layers:
             layer.attention.kv_cache = None  # free the old cache before allocating the new one
-            layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_length,
-                                               self.args.head_dim, self.kv_dtype or dtype, device)
-        self.freqs_cis = precompute_freqs_cis(max_seq_length, self.args.head_dim, self.args.rope_base,
-                                              self.args.rope_scaling, device)
+        # plain tensors even when called under inference_mode (as generate() does): the cache outlives the call,
+        # and an inference tensor could not be written outside one
+        with torch.inference_mode(False):
+            for layer in self.layers:
+                layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_length,
+                                                   self.args.head_dim, self.kv_dtype or dtype, device)
+            self.freqs_cis = precompute_freqs_cis(max_seq_length, self.args.head_dim, self.args.rope_base,
+                                                  self.args.rope_scaling, device)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
     def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None,

@@ -132,7 +132,7 @@ class Threshold:
         self.tau = min(1.0, max(1e-4, self.tau * math.exp(self.step * (self.breakeven() - last_kept))))
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as generate: the compiled steps are shared
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, draft=None,
                          ngram: Optional[int] = None, adaptive: bool = False, eos_ids=None,
                          callback: Optional[Callable] = None, steps: Steps = Steps(),

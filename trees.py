@@ -464,7 +464,7 @@ def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Ste
     return Steps(compile_prefill(prefill) if compile_prefill_too else prefill, step(tree_probs), step(draft_probs))
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as generate: the compiled steps are shared
 def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32,
                   eos_ids=None, callback: Optional[Callable] = None, steps: Steps = Steps(),
                   stop: Optional[Callable] = None, cached: int = 0, sizer: Optional[Sizer] = None,

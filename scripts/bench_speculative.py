@@ -103,7 +103,7 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_s
     return r.decode_tokens / r.decode_s, r.metrics(0)
 
 
-@torch.no_grad()  # as the loops run: with autograd on, the CPU kernels step aside for torch's
+@torch.inference_mode()  # as the loops run (with autograd on, the CPU kernels step aside for torch's)
 def step_costs(model, draft, pos: int, k_max: int, device, steps, spec_steps) -> dict:
     """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
     cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)

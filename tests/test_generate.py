@@ -40,6 +40,17 @@ def test_left_padded_rows_get_the_same_logits_as_alone(model32):
     torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cache_that_generate_set_up_stays_usable_outside_it(checkpoint):
+    model = load_model(checkpoint, "cpu", torch.float32)  # no cache yet: generate sets one up, in inference mode
+    first = generate(model, PROMPTS[:1], 8, temperature=0.0).rows
+    cache = model.layers[0].attention.kv_cache.k_cache
+    assert not cache.is_inference()
+    with torch.no_grad():
+        cache.zero_()  # as a caller writing the cache (bench.py fills it with a long context) does
+        model(torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0])))
+    assert generate(model, PROMPTS[:1], 8, temperature=0.0).rows == first
+
+
 def test_each_row_stops_at_its_own_eos(model32):
     full = generate(model32, PROMPTS, 30, temperature=0.0).rows
     eos = full[0][5]  # a token that row 0 emits early
