@@ -137,9 +137,10 @@ static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_
 // runtime's own data); decoding ran 7% (bf16), 5% (int8) and 3-5% (int4) faster than with the T0 hint, on a Zen 3
 // CPU. How far ahead is bandwidth times latency: on a Zen 3 (AVX2, ~15 GB/s a core) 1 KB, 2 KB for int4 and int8
 // (AHEAD4: the 1.1B int8 step took 0.92-0.98x the time it took 1 KB ahead, in runs alternating the two in both
-// orders; 3 and 4 KB were no faster); on a Zen 5 (AVX-512, ~40 GB/s a core) 8 KB: the int8 product read 26% faster than 1 KB ahead (12 or
-// 16 KB: no faster), and int4 3-11% faster than 4 KB ahead in minutes when memory was fast (0-4% slower when it was
-// slow; decoding 1.13x faster in all). (Its bf16 product reads fastest from the hardware prefetcher alone.)
+// orders; 3 and 4 KB were no faster); on a Zen 5 (AVX-512, ~40 GB/s a core) 8 KB: the int8 product read 26% faster
+// than 1 KB ahead (12 or 16 KB: no faster), and int4 3-11% faster than 4 KB ahead in minutes when memory was fast
+// (0-4% slower when it was slow; decoding 1.13x faster in all). (Its bf16 product reads fastest from the hardware
+// prefetcher alone.)
 #ifdef __AVX512F__
 enum { AHEAD = 8192, AHEAD4 = 8192 };
 #else
