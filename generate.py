@@ -121,11 +121,20 @@ def compile_step(step: Callable) -> Callable:
     build apart, so the first compile takes no longer (as one file it took twice as long). Freezing makes the
     weights constants of the compiled step rather than ~500 inputs, each wrapped in a handle and its size checked
     every step; the size checks inside the step go too."""
-    if torch.cuda.is_available():
-        return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
-    return torch.compile(step, fullgraph=True, dynamic=True,
-                         options={"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": True,
-                                  "size_asserts": False, "alignment_asserts": False})
+    on_cpu = torch.compile(step, fullgraph=True, dynamic=True,
+                           options={"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": True,
+                                    "size_asserts": False, "alignment_asserts": False})
+    if not torch.cuda.is_available():
+        return on_cpu
+    # a batch-1 matmul then becomes a reduction that inductor writes and tunes itself, with an int8 weight's
+    # conversion to bf16 inside it: the weight is read once, as int8 (cuBLAS would need a bf16 copy first)
+    torch._inductor.config.coordinate_descent_tuning = True
+    on_gpu = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
+
+    def run(*args, **kwargs):  # a model on the CPU of a GPU machine keeps the CPU's options
+        x = next(a for a in args if isinstance(a, torch.Tensor))
+        return (on_gpu if x.is_cuda else on_cpu)(*args, **kwargs)
+    return run
 
 
 def compile_prefill(step: Callable) -> Callable:  # dynamic: one compilation serves every prompt length
