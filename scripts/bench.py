@@ -92,22 +92,25 @@ def matmul_flops(device, n: int) -> dict:
     return flops
 
 
-def checkpoint(shape: str, weights: str, work: Path, cache: int = 0) -> Path:
+def checkpoint(shape: str, weights: str, work: Path, cache: int = 0, device="cpu") -> Path:
     """The built-in target or a named shape with random weights, quantized as asked; cached in `work`. A cache
-    longer than the shape's context gets random weights of the shape with that context: speed needs no training."""
+    longer than the shape's context gets random weights of the shape with that context: speed needs no training.
+    The weights are drawn and quantized on `device`."""
     if shape == "built-in" and not cache:
         base = DEFAULT_CHECKPOINT
     else:
         block_size = max(cache, read_config(DEFAULT_CHECKPOINT).block_size if shape == "built-in" else 0)
         base = work / f"{shape}-{block_size}" if block_size else work / shape
         if not base.exists():
-            random_checkpoint(shape, base, block_size)
+            random_checkpoint(shape, base, block_size, device)
     if weights == "bf16":
         return base
     out = work / f"{base.name}-{weights}"
     if not out.exists():
         from quantize_checkpoint import quantize_checkpoint
-        quantize_checkpoint(base, weights, INT4_GROUPSIZE, out_dir=out)
+        quantize_checkpoint(base, weights, INT4_GROUPSIZE, out_dir=out, device=device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the GPU's memory is the measured runs' (each in a child process), not this one's
     return out
 
 
@@ -483,7 +486,7 @@ def main():
         return
     rows, long_rows = [], []
     for cfg in tqdm(configs(args, device), desc="configurations", disable=None):
-        path = checkpoint(cfg["shape"], cfg["weights"], args.work_dir, cfg.get("cache", 0))
+        path = checkpoint(cfg["shape"], cfg["weights"], args.work_dir, cfg.get("cache", 0), device)
         row = dict(cfg, **one_process(device, dict(cfg, device=str(device), checkpoint=str(path)), args.threads))
         row["pct_run_copy"] = 100 * row["bandwidth_gb_s"] * 1e9 / copy_bw
         row["pct_flops"] = 100 * row["prefill_tok_s"] * row["prefill_flops_per_token"] / flops

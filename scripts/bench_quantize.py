@@ -30,13 +30,18 @@ ROWS = [("bf16", None, None, None), ("int8", "int8", None, None), ("int4-g32", "
         ("int4-gptq-g128, train-split calibration", "int4-gptq", 128, "train")]
 
 
-def random_checkpoint(name: str, out_dir: Path, block_size: int = 0) -> Path:
+def random_checkpoint(name: str, out_dir: Path, block_size: int = 0, device="cpu") -> Path:
     """A checkpoint of a named shape (or the built-in one) with N(0, 0.02) weights and the built-in tokenizer, and
-    a context of block_size if given: speed needs no training."""
+    a context of block_size if given: speed needs no training. The weights are drawn on `device`, in bf16, with no
+    default initialization first (in float32, an 8B shape's would take 32 GB)."""
     args = read_config(DEFAULT_CHECKPOINT) if name == "built-in" else ModelArgs.from_name(name)
     args = dataclasses.replace(args, block_size=block_size or args.block_size)
     torch.manual_seed(0)
-    model = Transformer(args).to(torch.bfloat16)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    if args.tie_embeddings:  # to_empty gives the shared Parameter two copies: tie them again
+        model.output.weight = model.tok_embeddings.weight
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
