@@ -41,6 +41,9 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
         raise ValueError("tp.py runs under torchrun: torchrun --standalone --nproc_per_node=N tp.py ...")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} needs GPU {local}, but this machine has {torch.cuda.device_count()}: "
+                             f"run at most that many ranks per machine, or pass --device cpu")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT,

@@ -1,4 +1,5 @@
-"""tp.py: tensor parallelism over torch.distributed, checked with 2 CPU processes on gloo."""
+"""tp.py: tensor parallelism over torch.distributed, checked with 2 CPU processes on gloo, and with one GPU on NCCL
+where there is one."""
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from checkpoint import load_model, read_config, read_weights
 from generate import generate
 
 ROOT = Path(__file__).resolve().parent.parent
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPT = [1, 17, 42, 99, 7, 120, 5]
 
 
@@ -53,6 +55,19 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path):
     assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0).rows[0]
 
 
+@cuda
+def test_one_rank_on_nccl_gives_the_single_process_logits_and_tokens(variant, tmp_path):
+    result = torchrun(1, ROOT / "tests" / "tp_worker.py", variant, tmp_path, "cuda")
+    assert result.returncode == 0, result.stderr[:3000]
+    single = load_model(variant, "cuda", torch.float32)
+    single.setup_caches(1, 64)
+    with torch.no_grad():
+        expected = single(torch.tensor([PROMPT], device="cuda"), torch.arange(len(PROMPT), device="cuda"))[0]
+    torch.testing.assert_close(load_file(tmp_path / "logits.safetensors")["logits"], expected.cpu(), rtol=1e-5,
+                               atol=1e-5)
+    assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0).rows[0]
+
+
 def test_shards_of_all_ranks_reassemble_the_checkpoint(ckpt):
     state, args = read_weights(ckpt / "model.safetensors", "cpu", torch.float32), read_config(ckpt)
     shards = [tp.shard_state(state, args, r, 2, "cpu") for r in range(2)]
@@ -84,8 +99,8 @@ def single_greedy(ckpt, n: int) -> list[int]:  # what one process generates from
 
 def test_cli_compiled_two_ranks_match_one_process_and_only_rank_0_prints(ckpt, tmp_path):
     out = tmp_path / "m.json"
-    result = torchrun(2, "tp.py", "--checkpoint_path", ckpt, "--temperature", 0, "--max_new_tokens", 12,
-                      "--ignore_eos", "--dtype", "float32", "--compile", "--metrics_json", out)
+    result = torchrun(2, "tp.py", "--checkpoint_path", ckpt, "--device", "cpu", "--temperature", 0,
+                      "--max_new_tokens", 12, "--ignore_eos", "--dtype", "float32", "--compile", "--metrics_json", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("Sample 1/1") == 1 and "GB per rank" in result.stdout
     metrics = json.loads(out.read_text())
@@ -93,12 +108,30 @@ def test_cli_compiled_two_ranks_match_one_process_and_only_rank_0_prints(ckpt, t
     assert metrics["samples"][0]["tokens"] == single_greedy(ckpt, 12)
 
 
+@cuda
+def test_cli_compiled_on_one_gpu_over_nccl_matches_one_process(ckpt, tmp_path):
+    """The all-reduce is a functional collective: NCCL's call is captured in the decode step's CUDA graph."""
+    out = tmp_path / "m.json"
+    result = torchrun(1, "tp.py", "--checkpoint_path", ckpt, "--device", "cuda", "--temperature", 0,
+                      "--max_new_tokens", 12, "--ignore_eos", "--dtype", "float32", "--compile", "--metrics_json", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text())["samples"][0]["tokens"] == single_greedy(ckpt, 12)
+
+
+@cuda
+def test_cli_more_ranks_than_gpus_is_refused_on_every_rank(ckpt):
+    n = torch.cuda.device_count() + 1
+    result = torchrun(n, "tp.py", "--checkpoint_path", ckpt, "--device", "cuda", timeout=120)
+    assert result.returncode != 0
+    assert f"but this machine has {n - 1}" in result.stderr
+
+
 def test_cli_speculative_decoding_with_a_replicated_draft(ckpt, tmp_path, sp_model_path):
     hf = tmp_path / "hf"
     save_hf_llama(hf, sp_model_path, seed=1, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
     draft = convert(hf, tmp_path / "draft")
     out = tmp_path / "m.json"
-    result = torchrun(2, "tp.py", "--checkpoint_path", ckpt, "--draft_checkpoint_path", draft,
+    result = torchrun(2, "tp.py", "--checkpoint_path", ckpt, "--device", "cpu", "--draft_checkpoint_path", draft,
                       "--temperature", 0, "--max_new_tokens", 16, "--ignore_eos", "--dtype", "float32",
                       "--metrics_json", out)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -106,7 +139,7 @@ def test_cli_speculative_decoding_with_a_replicated_draft(ckpt, tmp_path, sp_mod
 
 
 def test_cli_every_rank_reports_a_world_size_that_does_not_divide_the_heads(ckpt):
-    result = torchrun(3, "tp.py", "--checkpoint_path", ckpt, timeout=120)
+    result = torchrun(3, "tp.py", "--checkpoint_path", ckpt, "--device", "cpu", timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("error: n_head 4 is not divisible by the world size 3") == 3
 
@@ -117,8 +150,8 @@ def test_when_a_rank_dies_the_other_exits_with_one_line(ckpt):
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "tp.py", "--checkpoint_path", str(ckpt), "--max_new_tokens", "200", "--ignore_eos",
-           "--num_samples", "1000"]
+    cmd = [sys.executable, "tp.py", "--checkpoint_path", str(ckpt), "--device", "cpu", "--max_new_tokens", "200",
+           "--ignore_eos", "--num_samples", "1000"]
     ranks = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, text=True,
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                               stderr=subprocess.PIPE if r == 0 else subprocess.DEVNULL)
