@@ -44,9 +44,11 @@ def test_prompt_lookup_gives_the_same_greedy_replies(chat_checkpoint):
 
 
 def test_suffix_decoding_gives_the_same_greedy_replies_across_turns(chat_checkpoint):
+    # on the CPU: bit-equal replies need a verify pass to round as one-token steps do; in bf16 on a GPU, a pass of
+    # several tokens multiplies with other kernels, and on this random model a near tie then flips
     lines = ["def f(x): return x + 1", "def f(x): return x + 1", "and again: def f(x): return x + 1"]
-    plain, _ = chat(chat_checkpoint, lines)
-    guessed, _ = chat(chat_checkpoint, lines, "--suffix")
+    plain, _ = chat(chat_checkpoint, lines, "--device", "cpu")
+    guessed, _ = chat(chat_checkpoint, lines, "--device", "cpu", "--suffix")
     assert guessed.returncode == 0, guessed.stderr
     assert guessed.stdout == plain.stdout
 

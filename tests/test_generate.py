@@ -7,6 +7,7 @@ from checkpoint import load_model
 from generate import generate, sample, weight_bytes
 from model import ModelArgs, Transformer
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 @pytest.fixture(scope="module")
 def model32(checkpoint):
@@ -148,6 +149,33 @@ def test_compiled_decoding_compiles_once_across_cache_length_buckets():
     counters.clear()
     assert generate(model, prompt, 300, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@cuda
+def test_compiled_decoding_on_cuda_replays_cuda_graphs_and_matches_eager(checkpoint):
+    from torch._dynamo.utils import counters
+    model = load_model(checkpoint, "cuda", torch.float32)
+    eager = generate(model, PROMPTS, 40, temperature=0.0).rows
+    torch._dynamo.reset()
+    counters.clear()
+    assert generate(model, PROMPTS, 40, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
+    assert counters["inductor"]["cudagraph_skips"] == 0  # the whole step, sampling too, is one CUDA graph
+    assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0  # graphs were recorded
+
+
+@cuda
+def test_sampling_inside_the_cuda_graph_follows_the_seed(checkpoint):
+    from torch._dynamo.utils import counters
+    model = load_model(checkpoint, "cuda", torch.float32)
+    steps = gen.build_steps(compile=True)
+    counters.clear()
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return generate(model, PROMPTS, 30, steps=steps, temperature=1.0, top_k=50).rows
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_streamed_text_equals_the_final_text_even_for_multibyte_characters(sp_model_path, capsys):
