@@ -9,6 +9,7 @@ from model import ModelArgs, Transformer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
 @pytest.fixture(scope="module")
 def model32(checkpoint):
     return load_model(checkpoint, "cpu", torch.float32)
@@ -161,6 +162,15 @@ def test_compiled_decoding_on_cuda_replays_cuda_graphs_and_matches_eager(checkpo
     assert generate(model, PROMPTS, 40, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
     assert counters["inductor"]["cudagraph_skips"] == 0  # the whole step, sampling too, is one CUDA graph
     assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0  # graphs were recorded
+
+
+@cuda
+def test_a_cpu_model_on_a_gpu_machine_compiles_for_the_cpu(model32):
+    from torch._dynamo.utils import counters
+    eager = generate(model32, PROMPTS, 12, temperature=0.0).rows
+    counters.clear()
+    assert generate(model32, PROMPTS, 12, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
+    assert counters["inductor"]["cudagraph_skips"] == 0  # "reduce-overhead" would have tried, and skipped the CPU
 
 
 @cuda
