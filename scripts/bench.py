@@ -103,9 +103,7 @@ def checkpoint(shape: str, weights: str, work: Path, cache: int = 0, device="cpu
         base = work / f"{shape}-{block_size}" if block_size else work / shape
         if not base.exists():
             random_checkpoint(shape, base, block_size, device)
-    if weights == "bf16":
-        return base
-    out = work / f"{base.name}-{weights}"
+    out = base if weights == "bf16" else work / f"{base.name}-{weights}"
     if not out.exists():
         from quantize_checkpoint import quantize_checkpoint
         quantize_checkpoint(base, weights, INT4_GROUPSIZE, out_dir=out, device=device)

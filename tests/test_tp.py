@@ -44,25 +44,15 @@ def variant(request, ckpt, tmp_path_factory):
     return quantize_checkpoint(ckpt, request.param, 32, out_dir=tmp_path_factory.mktemp("q") / request.param)
 
 
-def test_two_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path):
-    result = torchrun(2, ROOT / "tests" / "tp_worker.py", variant, tmp_path)
+@pytest.mark.parametrize("ranks, device", [(2, "cpu"), pytest.param(1, "cuda", marks=cuda)],
+                         ids=["gloo", "nccl"])
+def test_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path, ranks, device):
+    result = torchrun(ranks, ROOT / "tests" / "tp_worker.py", variant, tmp_path, device)
     assert result.returncode == 0, result.stderr[:3000]  # the head holds the ranks' own messages
-    single = load_model(variant, "cpu", torch.float32)
+    single = load_model(variant, device, torch.float32)
     single.setup_caches(1, 64)
     with torch.no_grad():
-        expected = single(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
-    torch.testing.assert_close(load_file(tmp_path / "logits.safetensors")["logits"], expected, rtol=1e-5, atol=1e-5)
-    assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0).rows[0]
-
-
-@cuda
-def test_one_rank_on_nccl_gives_the_single_process_logits_and_tokens(variant, tmp_path):
-    result = torchrun(1, ROOT / "tests" / "tp_worker.py", variant, tmp_path, "cuda")
-    assert result.returncode == 0, result.stderr[:3000]
-    single = load_model(variant, "cuda", torch.float32)
-    single.setup_caches(1, 64)
-    with torch.no_grad():
-        expected = single(torch.tensor([PROMPT], device="cuda"), torch.arange(len(PROMPT), device="cuda"))[0]
+        expected = single(torch.tensor([PROMPT], device=device), torch.arange(len(PROMPT), device=device))[0]
     torch.testing.assert_close(load_file(tmp_path / "logits.safetensors")["logits"], expected.cpu(), rtol=1e-5,
                                atol=1e-5)
     assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0).rows[0]
