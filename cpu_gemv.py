@@ -1265,9 +1265,18 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
     const bool fp32 = true;
 #endif
     const float scale = 1.f / sqrtf((float)D);
-    if (fp32) {  // q in fp32, scaled, in in16's order, and 8 zero rows: padding
-        qf_.assign(B * H * S * D + 8 * D, 0.f);
-        for (int64_t i = 0; i < B * H * S * D; i++) qf_[in16(i)] = from_bf16(q[i]) * scale;
+    // q in fp32, scaled, in in16's order, and 8 zero rows: padding. 16 at a time, unpacked as K is: element by
+    // element it took 3.6 us of the 15 us a call over 33 positions took (32 heads of 64, Zen 3), a decode step's
+    // attention being mostly such fixed costs.
+    if (fp32) {
+        const int64_t n = B * H * S * D;  // a multiple of 16
+        qf_.resize(n + 8 * D);
+        memset(&qf_[n], 0, 8 * D * sizeof(float));
+        for (int64_t i = 0; i < n; i += 16) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(q + i));
+            _mm256_storeu_ps(&qf_[i], _mm256_mul_ps(lo(w), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(&qf_[i + 8], _mm256_mul_ps(hi(w), _mm256_set1_ps(scale)));
+        }
     }
     float *qf = qf_.data(), *parts = parts_.data();
     // the tasks shared as products share rows (share_rows): over 4096 positions, 0.97x the time of a static split
