@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 import cpu_gemv
+import cuda_gemv
 import quantize
 from cli import available_memory
 from model import ModelArgs, Transformer
@@ -292,6 +293,8 @@ def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels
         model.output.weight = model.tok_embeddings.weight
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cpu_kernels != "off":
         cpu_gemv.install(model)  # first: it takes the int4 layers it reads in their stored layout
+    if torch.device(device).type == "cuda" and dtype == torch.bfloat16:
+        cuda_gemv.install(model)  # likewise, the quantized layers on a GPU
     if quantization and dtype == torch.bfloat16:
         quantize.pack(model)  # the rest go to torch's int4 kernels, in their layout
     if torch.device(device).type == "cpu":

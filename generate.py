@@ -15,6 +15,7 @@ import torch
 import checkpoint
 import cli
 import cpu_gemv
+import cuda_gemv
 import guided
 from checkpoint import load_model
 from guided import Guide, allowed_tokens
@@ -130,8 +131,8 @@ def compile_step(step: Callable) -> Callable:
                                     "cpp.min_chunk_size": 16384})
     if not torch.cuda.is_available():
         return on_cpu
-    # a batch-1 matmul then becomes a reduction that inductor writes and tunes itself, with an int8 weight's
-    # conversion to bf16 inside it: the weight is read once, as int8 (cuBLAS would need a bf16 copy first)
+    # tunes the reductions inductor writes itself: the norms, and any batch-1 matmul not on cuda_gemv.py's kernels
+    # (inductor writes those as a reduction, an int8 weight's conversion to bf16 inside it)
     torch._inductor.config.coordinate_descent_tuning = True
     on_gpu = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
 
@@ -628,7 +629,8 @@ def run(args, make_loop: Callable = plain_loop, parallel=None):
     if parallel:
         model_bytes = int(parallel.sum([model_bytes])[0])  # read per step by all ranks together
     where = f"{parallel.world} ranks, {device.type}" if parallel else device
-    kernels = f"; {cpu_gemv.describe(model)}" if device.type == "cpu" else ""
+    kernels = f"; {cpu_gemv.describe(model)}" if device.type == "cpu" else \
+        f"; {cuda_gemv.describe(model)}" if device.type == "cuda" else ""
     print(f"Loaded {args.checkpoint_path} ({model_bytes / 1e9:.3f} GB of weights read per step) on {where}, "
           f"{args.dtype}{kernels}{'; KV cache int8' if args.kv_cache_dtype == 'int8' else ''}")
 

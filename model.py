@@ -263,6 +263,18 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GateUp(nn.Module):
+    """FeedForward with the gate and up layers joined into one, w13 (the gate's outputs, then the up's): one product
+    and one pass over both weights where there were two. The kernel files (cpu_gemv.py, cuda_gemv.py) put it in."""
+    def __init__(self, w13: nn.Module, w2: nn.Module):
+        super().__init__()
+        self.w13, self.w2 = w13, w2
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()

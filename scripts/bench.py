@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import cli  # noqa: E402
 import cpu_gemv  # noqa: E402
+import cuda_gemv  # noqa: E402
 from bench_quantize import random_checkpoint  # noqa: E402
 import guided  # noqa: E402
 import llama_cpp  # noqa: E402
@@ -152,7 +153,8 @@ def run_ours(cfg: dict, device):
     cfg["prompt"] = min(cfg["prompt"], model.args.block_size - cfg["new_tokens"])  # the built-in model stops at 1024
     prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], cfg["prompt"])).tolist()
     model.setup_caches(cfg["batch"], cfg.get("cache") or cfg["prompt"] + cfg["new_tokens"])
-    cfg["kernels"] = cpu_gemv.describe(model) if device.type == "cpu" else "torch"
+    cfg["kernels"] = cpu_gemv.describe(model) if device.type == "cpu" else \
+        cuda_gemv.describe(model) if device.type == "cuda" else "torch"
     if cfg.get("guided"):  # with fast-forward, and without it: then every pass is one token, as in plain decoding
         tokenizer, schema = load_tokenizer(Path(cfg["checkpoint"]), model.args), json.dumps(RECORDS)
         guides = [guided.Guide(tokenizer, [guided.json_schema(schema)], cfg["batch"], model.args.vocab_size,

@@ -1,0 +1,189 @@
+"""Matrix-vector products for decoding on NVIDIA GPUs: y = x @ w.T for x [M, K] of a few rows, with w in bf16 or
+int8 (a scale per row, the layout quantize.py stores), as Triton kernels.
+
+Batch-1 decode is one pass over every weight, so a product is as fast as it reads its bytes. On an H200 (copy
+bandwidth 4150 GB/s), alone in a CUDA graph, weights not in L2, Llama-3-8B's layers: cuBLAS read bf16 at 61-87% of
+that, these kernels at 75-93%; inductor's reduction read an int8 weight at 32-68%, the int8 kernel here at 50-76%
+(the 4096 x 4096 product is the slowest: 8 us, of which launching and the last wave are a fair part).
+
+The int8 kernel converts no weight: each byte b goes, with b ^ 0x80, under the exponent bits of 2^23 (0x4B000000),
+which makes the float 2^23 + b + 128, and one subtraction leaves b exactly. An H200 converts 16 integers a cycle per
+SM, about what 4 TB/s of int8 weights need; the bits cost two integer operations. The weights are loaded as 32-bit
+words, four bytes taken apart with shifts and masks.
+
+A program computes BLOCK_N outputs of one row of x; the rows of x vary fastest over the grid, so the programs that
+share a weight tile run together and all but the first find it in L2 (speculative verification, small batches).
+Block sizes are tuned once per shape by triton.autotune, on the first call (outside any CUDA graph capture: the
+compiled step runs once eagerly before it is recorded). More than MAX_ROWS rows (prefill) go to cuBLAS.
+
+int4 layers stay on torch's kernel (`_weight_int4pack_mm`, 30-39% of the copy bandwidth on the 8B layers): a
+kernel of this design for the stored int4 layout, 8 nibbles a word, reached only 21-36% (not profiled further:
+each nibble costs a strided load of x and four instructions)."""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import FeedForward, GateUp
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU build of torch comes without Triton: nothing here is used then
+    triton = None
+
+MAX_ROWS = 8  # a verify pass of a few drafted tokens, or a small batch; more rows read the weight from cuBLAS
+
+if triton is not None:
+    def configs(blocks_k):
+        return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n in (2, 4, 8, 16) for k in blocks_k
+                for w in (2, 4)]
+
+    def bench(fn, quantiles):  # triton's default times each config for 125 ms; a few ms tell them apart
+        return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+    @triton.jit
+    def gemv_bf16_kernel(x_ptr, w_ptr, y_ptr, M, N, K,  # x [M, K], w [N, K], y [M, N], all bf16
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        m, n0 = tl.program_id(0) % M, tl.program_id(0) // M * BLOCK_N
+        rows = n0 + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
+                        other=0.0)
+            x = tl.load(x_ptr + m * K + cols, mask=cols < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(y_ptr + m * N + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=rows < N)
+
+    @triton.jit
+    def gemv_int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,  # x [M, K] bf16, w [N, K/4] int32, s [N], y [M, N]
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        m, n0 = tl.program_id(0) % M, tl.program_id(0) // M * BLOCK_N
+        rows = n0 + tl.arange(0, BLOCK_N)
+        words = tl.arange(0, BLOCK_K // 4)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 4], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 // 4 + words
+            w = tl.load(w_ptr + rows[:, None] * (K // 4) + cols[None, :],
+                        mask=(rows[:, None] < N) & (cols[None, :] < K // 4), other=0)
+            for i in tl.static_range(4):  # byte i of each word is column 4 * word + i
+                x = tl.load(x_ptr + m * K + 4 * cols + i, mask=cols < K // 4, other=0.0).to(tl.float32)
+                # the byte b (signed) as 2^23 + b + 128: b ^ 0x80 under 2^23's exponent bits, then less the offset
+                q = (((w >> (8 * i)) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+                acc += q * x[None, :]
+        scale = tl.load(s_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * N + rows, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=rows < N)
+
+    gemv_bf16_tuned = triton.autotune(configs((256, 512, 1024)), key=["M", "N", "K"], do_bench=bench)(
+        gemv_bf16_kernel)
+    gemv_int8_tuned = triton.autotune(configs((256, 512, 1024)), key=["M", "N", "K"], do_bench=bench)(
+        gemv_int8_kernel)
+
+
+def grid(M: int, N: int):
+    return lambda meta: (M * triton.cdiv(N, meta["BLOCK_N"]),)
+
+
+@torch.library.custom_op("fast_decode_cuda::gemv_bf16", mutates_args=())
+def gemv_bf16(x: Tensor, w: Tensor) -> Tensor:  # x [M, K], w [N, K], bf16 -> [M, N]
+    y = x.new_empty(x.size(0), w.size(0))
+    gemv_bf16_tuned[grid(*y.shape)](x.contiguous(), w, y, x.size(0), *w.shape)
+    return y
+
+
+@torch.library.custom_op("fast_decode_cuda::gemv_int8", mutates_args=())
+def gemv_int8(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:  # x [M, K] bf16, w int8 [N, K], scales [N] -> [M, N]
+    y = x.new_empty(x.size(0), w.size(0))
+    gemv_int8_tuned[grid(*y.shape)](x.contiguous(), w.view(torch.int32), scales, y, x.size(0), *w.shape)
+    return y
+
+
+@gemv_bf16.register_fake
+def _(x, w):
+    return x.new_empty(x.size(0), w.size(0))
+
+
+@gemv_int8.register_fake
+def _(x, w, scales):
+    return x.new_empty(x.size(0), w.size(0))
+
+
+def few_rows(x: Tensor) -> bool:  # decode, verification, small batches; inference only: the ops have no backward
+    return x.numel() <= MAX_ROWS * x.size(-1) and not (torch.is_grad_enabled() and x.requires_grad)
+
+
+class GemvBf16(nn.Module):
+    """nn.Linear without a bias, bf16: few rows on the kernel above, more on cuBLAS."""
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        if not few_rows(x):
+            return F.linear(x, self.weight)
+        return gemv_bf16(x.reshape(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+class GemvInt8(nn.Module):
+    """quantize.py's int8 layer (weight int8 [N, K], scales bf16 [N]): few rows on the kernel above; more
+    dequantized for cuBLAS."""
+    def __init__(self, weight: Tensor, scales: Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        if not few_rows(x):
+            return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return gemv_int8(x.reshape(-1, x.size(-1)), self.weight, self.scales).view(*x.shape[:-1], -1)
+
+
+def replacement(m: nn.Module) -> Optional[nn.Module]:
+    """The layer that takes m's place (nn.Linear in bf16, or quantize.py's int8 layer, told apart by its tensors),
+    or None. quantize.py's int4 layers stay on torch's kernel: a Triton kernel of the same design as these read
+    int4 weights more slowly than it."""
+    w, scales = getattr(m, "weight", None), getattr(m, "scales", None)
+    if not isinstance(w, Tensor) or w.dim() != 2 or not w.is_cuda or not w.is_contiguous() or w.size(1) % 4:
+        return None
+    if isinstance(m, nn.Linear) and m.bias is None and w.dtype == torch.bfloat16:
+        return GemvBf16(w)
+    if w.dtype == torch.int8 and isinstance(scales, Tensor) and getattr(m, "zeros", None) is None:
+        return GemvInt8(w, scales.to(torch.bfloat16))
+    return None
+
+
+def joined(a: nn.Module, b: nn.Module) -> Optional[nn.Module]:  # a's outputs, then b's; None if not of one kind
+    if type(a) is not type(b) or type(a) not in (GemvBf16, GemvInt8):
+        return None
+    if type(a) is GemvBf16:
+        return GemvBf16(torch.cat([a.weight, b.weight]))
+    return GemvInt8(torch.cat([a.weight, b.weight]), torch.cat([a.scales, b.scales]))
+
+
+def install(model: nn.Module) -> int:
+    """Replace the model's CUDA bf16 and int8 linear layers, in place, by ones on these kernels, and join each
+    feed-forward's gate and up layers. Returns how many layers were replaced; 0 without Triton."""
+    if triton is None:
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
+                count += 1
+    for parent in list(model.modules()):
+        for name, ff in parent.named_children():
+            w13 = joined(ff.w1, ff.w3) if isinstance(ff, FeedForward) else None
+            if w13 is not None:
+                setattr(parent, name, GateUp(w13, ff.w2))
+    return count
+
+
+def describe(model: nn.Module) -> str:
+    """Which kernels the model's GPU products run on, in words."""
+    kinds = [k for k, c in (("bf16", GemvBf16), ("int8", GemvInt8)) if any(isinstance(m, c) for m in model.modules())]
+    return f"CUDA kernels: Triton for {' and '.join(kinds)}" if kinds else "CUDA kernels: torch's"
