@@ -1093,8 +1093,13 @@ static inline void raise_max(float* row, float m, int64_t D) {
 // instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
 // it, as transformers' eager attention rounds them in a bf16 model. K and V are asked for KV_AHEAD bytes ahead of
 // their reads, into L1: over 4096 positions x 22 layers on a Zen 5, 2 and 8 KB ahead took 2-3% longer, 1 and 16 KB 14%,
-// the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same.
+// the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same. A core with less L1 than a Zen 5's 48 KB
+// asks into L2 instead (KV_HINT, set by cpu_gemv.targets): on a Zen 4 (32 KB) a block's 8 KB of K and of V with the
+// next block's asked for did not fit, and with T1 the attention took 0.64-0.66x the time it took with T0.
 enum { KV_AHEAD = 4096 };
+#ifndef KV_HINT
+#define KV_HINT _MM_HINT_T0
+#endif
 
 static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     uint32_t u;
@@ -1111,7 +1116,7 @@ static inline void qk_bf16(const uint16_t* q, const uint16_t* k, int64_t n, floa
                            int64_t far) {
     for (int64_t j = 0; j < n; j += 16) {
         if (far)
-            for (int i = 0; i < D / 2; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, _MM_HINT_T0);
+            for (int i = 0; i < D / 2; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, KV_HINT);
         __m512 acc[RT];
         for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 32) {
@@ -1145,7 +1150,7 @@ static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int
                 for (int i = 0; i < 2; i++) acc[r][c][i] = _mm512_loadu_ps(o + r * (D + 2) + d0 + 32 * c + 16 * i);
         for (int64_t j = 0; j < n; j += 2) {
             if (far && d0 == 0)
-                for (int i = 0; i < D / 16; i++) _mm_prefetch((const char*)(v + j * D) + far + 64 * i, _MM_HINT_T0);
+                for (int i = 0; i < D / 16; i++) _mm_prefetch((const char*)(v + j * D) + far + 64 * i, KV_HINT);
             for (int c = 0; c < NB; c++) {
                 const int d = d0 + 32 * c;
                 __m512i w0 = _mm512_loadu_si512(v + j * D + d);
@@ -1206,7 +1211,7 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
             }
             raise_max(row, m, D);
             for (int64_t i = r * per; i < (r + 1) * per && i < rest; i += 64)
-                for (const uint16_t* x : {k, v}) _mm_prefetch((const char*)(x + (b + BJ) * D) + KV_AHEAD + i, _MM_HINT_T0);
+                for (const uint16_t* x : {k, v}) _mm_prefetch((const char*)(x + (b + BJ) * D) + KV_AHEAD + i, KV_HINT);
             const __m512 m16 = _mm512_set1_ps(m);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < BJ; j += 16) {
@@ -1759,15 +1764,27 @@ def cpu_flags() -> set[str]:
     return flags
 
 
+def l1_data_kb() -> int:
+    """The first core's L1 data cache in KB, from Linux's sysfs; 0 where it does not say."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "1" and (index / "type").read_text().strip() == "Data":
+                return int((index / "size").read_text().strip().rstrip("K"))
+        except (OSError, ValueError):
+            return 0
+    return 0
+
+
 def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
     """(name, source, compiler flags) of every kernel set this CPU runs, the fastest first."""
     out = []
     if AVX512 and {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
         base = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
         extra = [f for f in ("avx512_bf16", "avx512_vnni") if f in flags]
+        hint = ["-DKV_HINT=_MM_HINT_T1"] if 0 < l1_data_kb() < 48 else []  # see KV_HINT in the attention
         if extra:  # the plain AVX-512 set too, second: a test can run both
             out.append(("avx512+" + "+".join(f[7:] for f in extra), AVX512,
-                        base + ["-m" + f.replace("_", "") for f in extra]))
+                        base + ["-m" + f.replace("_", "") for f in extra] + hint))
         out.append(("avx512", AVX512, base))
     if {"avx2", "fma"} <= flags:
         out.append(("avx2", AVX2, ["-mavx2", "-mfma"]))
