@@ -1088,6 +1088,11 @@ static inline void raise_max(float* row, float m, int64_t D) {
 }
 #endif
 
+// where the attention asks for K and V: into L1 (T0), or into L2 (T1) on a core with less L1 (see below)
+#ifndef KV_HINT
+#define KV_HINT _MM_HINT_T0
+#endif
+
 #ifdef __AVX512BF16__
 // With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
 // instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
@@ -1095,11 +1100,9 @@ static inline void raise_max(float* row, float m, int64_t D) {
 // their reads, into L1: over 4096 positions x 22 layers on a Zen 5, 2 and 8 KB ahead took 2-3% longer, 1 and 16 KB 14%,
 // the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same. A core with less L1 than a Zen 5's 48 KB
 // asks into L2 instead (KV_HINT, set by cpu_gemv.targets): on a Zen 4 (32 KB) a block's 8 KB of K and of V with the
-// next block's asked for did not fit, and with T1 the attention took 0.64-0.66x the time it took with T0.
+// next block's asked for did not fit, and with T1 the attention took 0.64-0.66x the time it took with T0 (over an
+// int8 cache, attend_chunk_int8, 0.71x).
 enum { KV_AHEAD = 4096 };
-#ifndef KV_HINT
-#define KV_HINT _MM_HINT_T0
-#endif
 
 static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     uint32_t u;
@@ -1359,9 +1362,9 @@ static inline void qk_int8(const uint8_t* q, const float* qs, const int8_t* k, c
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t j = 0; j < n; j += 16) {
         if (far)
-            for (int i = 0; i < D / 4; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, _MM_HINT_T0);
+            for (int i = 0; i < D / 4; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, KV_HINT);
         if (far)
-            for (int i = 0; i < D / 4; i++) _mm_prefetch((const char*)(v + j * D) + 64 * i, _MM_HINT_T0);
+            for (int i = 0; i < D / 4; i++) _mm_prefetch((const char*)(v + j * D) + 64 * i, KV_HINT);
         __m512i acc[RT], sum = _mm512_setzero_si512();
         for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_si512();
         for (int d = 0; d < D; d += 64) {
