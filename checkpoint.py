@@ -294,7 +294,7 @@ def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and cpu_kernels != "off":
         cpu_gemv.install(model)  # first: it takes the int4 layers it reads in their stored layout
     if torch.device(device).type == "cuda" and dtype == torch.bfloat16:
-        cuda_gemv.install(model)  # likewise, the quantized layers on a GPU
+        cuda_gemv.install(model)  # on a GPU the bf16 and int8 layers; int4 ones stay for quantize.pack
     if quantization and dtype == torch.bfloat16:
         quantize.pack(model)  # the rest go to torch's int4 kernels, in their layout
     if torch.device(device).type == "cpu":
