@@ -1093,6 +1093,12 @@ static inline void raise_max(float* row, float m, int64_t D) {
 #define KV_HINT _MM_HINT_T0
 #endif
 
+// F<D, n> for n in 1..8 rows, n known only at run time (the attention kernels' row tiles)
+#define BY8(F, D, n, ...) switch (n) { \
+    case 8: F<D, 8>(__VA_ARGS__); break; case 7: F<D, 7>(__VA_ARGS__); break; case 6: F<D, 6>(__VA_ARGS__); break; \
+    case 5: F<D, 5>(__VA_ARGS__); break; case 4: F<D, 4>(__VA_ARGS__); break; case 3: F<D, 3>(__VA_ARGS__); break; \
+    case 2: F<D, 2>(__VA_ARGS__); break; default: F<D, 1>(__VA_ARGS__); }
+
 #ifdef __AVX512BF16__
 // With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
 // instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
@@ -1171,10 +1177,6 @@ static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int
     }
 }
 
-#define BY8(F, D, n, ...) switch (n) { \
-    case 8: F<D, 8>(__VA_ARGS__); break; case 7: F<D, 7>(__VA_ARGS__); break; case 6: F<D, 6>(__VA_ARGS__); break; \
-    case 5: F<D, 5>(__VA_ARGS__); break; case 4: F<D, 4>(__VA_ARGS__); break; case 3: F<D, 3>(__VA_ARGS__); break; \
-    case 2: F<D, 2>(__VA_ARGS__); break; default: F<D, 1>(__VA_ARGS__); }
 
 // attend_chunk with dpbf16 (D 32 or more), q bf16 and scaled on the scores, reading K and V side by side a block of
 // 8 KB each at a time with the softmax online (as flash attention does): a row's running maximum m, sum l and output

@@ -284,11 +284,24 @@ def test_the_cpu_features_choose_the_kernel_sets():
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernel sets")
-def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run():
-    # g++ builds AVX-512 code on any x86 machine: a set that only an AVX-512 CPU runs still fails here if it breaks
+def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run(monkeypatch):
+    # g++ builds AVX-512 code on any x86 machine: a set that only an AVX-512 CPU runs still fails here if it breaks;
+    # with either L1 size (the attention's prefetch hint), and with VNNI but no BF16
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
-    for name, source, flags in cpu_gemv.targets(every):
-        assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
+    for l1 in (32, 48):
+        monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: l1)
+        for name, source, flags in cpu_gemv.targets(every) + cpu_gemv.targets(every - {"avx512_bf16"})[:1]:
+            assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
+
+
+def test_a_core_with_less_than_48_kb_of_l1_asks_for_the_kv_cache_into_l2(monkeypatch):
+    every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+    hinted = lambda: ["-DKV_HINT=_MM_HINT_T1" in flags for _, _, flags in cpu_gemv.targets(every)]  # noqa: E731
+    monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)  # a Zen 4
+    assert hinted() == ([True, False, False] if cpu_gemv.AVX512 else [False])
+    for kb in (48, 0):  # a Zen 5 or a Sapphire Rapids; sysfs silent
+        monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: kb)
+        assert not any(hinted())
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 5632, 2048), (3, 7, 64)])  # K a multiple of 16 (bf16) and 32 (int8)
