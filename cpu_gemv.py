@@ -140,13 +140,22 @@ static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_
 // orders; 3 and 4 KB were no faster); on a Zen 5 (AVX-512, ~40 GB/s a core) 8 KB: the int8 product read 26% faster
 // than 1 KB ahead (12 or 16 KB: no faster), and int4 3-11% faster than 4 KB ahead in minutes when memory was fast
 // (0-4% slower when it was slow; decoding 1.13x faster in all). (Its bf16 product reads fastest from the hardware
-// prefetcher alone.)
+// prefetcher alone.) On a Zen 4 (AVX-512, 32 KB of L1, one 512-bit load a cycle) the int8 and int4 products are
+// short of loads, and a prefetch takes one: with it they ran at 0.86x their speed from L2, and from memory the 1.1B
+// shape's products read 1.14x (int8) and 1.2x (int4) as fast from the hardware prefetcher alone (no distance or
+// hint, T0 to NTA, 256 B to 32 KB, did better), its decode step 1.04x and 1.06x as fast with memory slow. So
+// AHEAD_WEIGHTS 0 turns ahead() off there (cpu_gemv.targets: cores with less than 48 KB of L1, as for KV_HINT).
 #ifdef __AVX512F__
 enum { AHEAD = 8192, AHEAD4 = 8192 };
 #else
 enum { AHEAD = 1024, AHEAD4 = 2048 };
 #endif
-static inline void ahead(const void* p, int bytes = AHEAD) { _mm_prefetch((const char*)p + bytes, _MM_HINT_NTA); }
+#ifndef AHEAD_WEIGHTS
+#define AHEAD_WEIGHTS 1
+#endif
+static inline void ahead(const void* p, int bytes = AHEAD) {
+    if (AHEAD_WEIGHTS) _mm_prefetch((const char*)p + bytes, _MM_HINT_NTA);
+}
 
 static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -1786,10 +1795,11 @@ def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
     if AVX512 and {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= flags:
         base = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
         extra = [f for f in ("avx512_bf16", "avx512_vnni") if f in flags]
-        hint = ["-DKV_HINT=_MM_HINT_T1"] if 0 < l1_data_kb() < 48 else []  # see KV_HINT in the attention
+        # less than 48 KB of L1 (a Zen 4): see KV_HINT in the attention and AHEAD_WEIGHTS by ahead()
+        small_l1 = ["-DKV_HINT=_MM_HINT_T1", "-DAHEAD_WEIGHTS=0"] if 0 < l1_data_kb() < 48 else []
         if extra:  # the plain AVX-512 set too, second: a test can run both
             out.append(("avx512+" + "+".join(f[7:] for f in extra), AVX512,
-                        base + ["-m" + f.replace("_", "") for f in extra] + hint))
+                        base + ["-m" + f.replace("_", "") for f in extra] + small_l1))
         out.append(("avx512", AVX512, base))
     if {"avx2", "fma"} <= flags:
         out.append(("avx2", AVX2, ["-mavx2", "-mfma"]))

@@ -294,9 +294,11 @@ def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run(monke
             assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
 
 
-def test_a_core_with_less_than_48_kb_of_l1_asks_for_the_kv_cache_into_l2(monkeypatch):
+@pytest.mark.parametrize("flag", ["-DKV_HINT=_MM_HINT_T1", "-DAHEAD_WEIGHTS=0"])
+def test_a_core_with_less_than_48_kb_of_l1_asks_for_the_kv_cache_into_l2_and_leaves_weights_to_the_hardware(
+        monkeypatch, flag):
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
-    hinted = lambda: ["-DKV_HINT=_MM_HINT_T1" in flags for _, _, flags in cpu_gemv.targets(every)]  # noqa: E731
+    hinted = lambda: [flag in flags for _, _, flags in cpu_gemv.targets(every)]  # noqa: E731
     monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)  # a Zen 4
     assert hinted() == ([True, False, False] if cpu_gemv.AVX512 else [False])
     for kb in (48, 0):  # a Zen 5 or a Sapphire Rapids; sysfs silent
