@@ -1850,6 +1850,27 @@ def build_glue() -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
+def build_first(sets: list[tuple[str, str, list[str]]]) -> tuple[ctypes.CDLL, str]:
+    """The first of the kernel sets (name, source, flags) that builds, and its name: a g++ too old for one instruction
+    set's intrinsics still builds the next, slower set. Raises the last failure when none builds."""
+    for i, (name, source, flags) in enumerate(sets):
+        try:
+            return build(source, flags), name
+        except subprocess.CalledProcessError as e:
+            if i + 1 == len(sets):
+                raise
+            print(f"cpu_gemv: the {name} kernels did not build ({compiler_error(e)}); trying {sets[i + 1][0]}",
+                  file=sys.stderr)
+    raise RuntimeError("no kernel set to build")
+
+
+def compiler_error(e: subprocess.CalledProcessError) -> str:
+    """The compiler's first error (from "error:" on, without the temporary file's path), else its last line."""
+    lines = [line.strip() for line in (e.stderr or "").splitlines() if line.strip()]
+    errors = [line[line.index("error:"):] for line in lines if "error:" in line]
+    return (errors or lines[-1:] or [f"exit status {e.returncode}"])[0]
+
+
 _lib: Optional[ctypes.CDLL] = None
 _glue: Optional[ctypes.CDLL] = None  # built and registered once a process
 kernels = "torch"  # what products of few rows run on: a kernel set's name, or torch's own
@@ -1861,13 +1882,13 @@ def load(name: Optional[str] = None) -> Optional[str]:
     saying why torch's kernels stay."""
     global _lib, kernels, _why_not
     available = targets(cpu_flags())
-    chosen = [t for t in available if name is None or t[0] == name][:1]
+    chosen = [t for t in available if name is None or t[0] == name]
     try:
         if not chosen:
             raise RuntimeError(f"no kernels for this CPU ({platform.machine()}: "
                                f"{'no ' + name if name else 'there are kernels for x86 AVX2+FMA and AVX-512 only'})")
         global _glue
-        _lib, kernels = build(*chosen[0][1:]), chosen[0][0]
+        _lib, kernels = build_first(chosen)
         _glue = _glue or build_glue()
         names = ("gemv_bf16", "gemv_int8", "gemv_int4", "dequantize_int4", "attend", "attend_int8")
         _glue.set_kernels((ctypes.c_void_p * 6)(*[ctypes.cast(getattr(_lib, n), ctypes.c_void_p)
@@ -1876,7 +1897,7 @@ def load(name: Optional[str] = None) -> Optional[str]:
     except FileNotFoundError:
         why = f"no C++ compiler ({os.environ.get('CXX', 'g++')} not found)"
     except subprocess.CalledProcessError as e:
-        why = f"the kernels did not build: {(e.stderr or '').strip().splitlines()[-1:] or e.returncode}"
+        why = f"the kernels did not build: {compiler_error(e)}"
     except (RuntimeError, OSError) as e:
         why = str(e)
     if why != _why_not:  # once per reason, not once per model

@@ -272,6 +272,32 @@ def test_without_a_compiler_torchs_kernels_stay_and_one_line_says_why(tmp_path, 
         cpu_gemv.load()
 
 
+def test_a_kernel_set_that_does_not_build_gives_way_to_the_next_and_one_line_says_so(monkeypatch, capsys):
+    best = cpu_gemv.targets(cpu_gemv.cpu_flags())[0]
+    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [("broken", "#error no such intrinsic\n", []), best])
+    try:
+        assert cpu_gemv.load() == best[0] == cpu_gemv.kernels
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("cpu_gemv: the broken kernels did not build (") and "no such intrinsic" in err
+        assert err.endswith(f"); trying {best[0]}") and len(err.splitlines()) == 1
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.load()
+
+
+def test_when_no_kernel_set_builds_torchs_kernels_stay_and_one_line_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [("broken", "#error no such intrinsic\n", [])])
+    monkeypatch.setattr(cpu_gemv, "_why_not", None)  # the line comes once per reason a process
+    try:
+        assert cpu_gemv.load() is None and cpu_gemv.kernels == "torch"
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("cpu_gemv: using torch's CPU kernels: the kernels did not build: ")
+        assert "no such intrinsic" in err and len(err.splitlines()) == 1
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.load()
+
+
 def test_the_cpu_features_choose_the_kernel_sets():
     names = lambda flags: [t[0] for t in cpu_gemv.targets(flags)]  # noqa: E731
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
