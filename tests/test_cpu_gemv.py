@@ -320,7 +320,7 @@ def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run(monke
             assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
 
 
-@pytest.mark.parametrize("flag", ["-DKV_HINT=_MM_HINT_T1", "-DAHEAD_WEIGHTS=0"])
+@pytest.mark.parametrize("flag", ["-DKV_HINT=_MM_HINT_T1", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"])
 def test_a_core_with_less_than_48_kb_of_l1_asks_for_the_kv_cache_into_l2_and_leaves_weights_to_the_hardware(
         monkeypatch, flag):
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
