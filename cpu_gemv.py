@@ -804,7 +804,16 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-enum { CHUNK = 256 };  // cache positions per task
+enum { CHUNK = 256 };  // the fewest cache positions a task takes
+
+// cache positions per task: 256 to 1024, about 16 tasks over `heads` KV heads whatever the count of threads (the
+// results do not depend on it). Each task sets up, and starts its streams of K and V cold: at 4096 positions x 4 KV
+// heads x 22 layers on a Zen 4 (2 threads), 1024 took 0.95-0.96x the time of 256 from L3 and 0.90-0.97x from memory
+// (medians of rounds alternating the two).
+static inline int64_t chunk_for(int64_t L, int64_t heads) {
+    const int64_t c = (L * heads / 16 + CHUNK - 1) / CHUNK * CHUNK;
+    return c < CHUNK ? CHUNK : c > 4 * CHUNK ? 4 * CHUNK : c;
+}
 
 // where dimension i is kept in q and in the outputs: 16 at a time in the order that unpacking 16 bf16 under zeros
 // gives (lo: 0-3, 8-11; hi: 4-7, 12-15), so that K and V are used as they are loaded
@@ -1132,18 +1141,54 @@ static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     return _mm512_set1_epi32(u);
 }
 
-// s[r][j] = scale q_r . k_j for RT rows of bf16 q (D apart) and n positions of K (D apart), s rows ld apart, 16
+// 2^x to about 1e-4 (a degree-3 polynomial, fitted for the relative error) in the lanes keep sets, 0 in the others:
+// the attention's weights are rounded to bf16 after it, a step of 4e-3. At least 2^-126: no subnormals, which are
+// slow.
+static inline __m512 exp2_16(__m512 x, __mmask16 keep) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0550085814f), f, _mm512_set1_ps(0.242210374f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932829f));
+    return _mm512_maskz_scalef_ps(keep, _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f)), n);
+}
+
+// A row's maximum row[0] raised to m (log2 units): its output row[2..], its weights' sums l and its weights w[0, j)
+// already written in this block rescaled by 2^(row[0] - m)
+static inline void raise_max_bf16(float* row, float m, int64_t D, __m512& l, uint16_t* w, int64_t j) {
+    const float c = exp2f(row[0] - m);  // 0 from -inf: nothing seen before
+    row[0] = m, l = _mm512_mul_ps(l, _mm512_set1_ps(c));
+    for (int64_t d = 0; d < D; d++) row[2 + d] *= c;
+    for (int64_t i = 0; i < j; i += 16) {
+        const __m512i x = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + i))), 16);
+        const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(c));
+        _mm256_storeu_si256((__m256i*)(w + i), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+// The weights w[r][j] (bf16, rows ld apart) of RT rows of bf16 q (D apart) over n positions of K (D apart), 16
 // positions at a time: K transposed in registers puts one dimension pair of 16 positions in a vector, which a
-// broadcast pair of q multiplies with one dpbf16 (no sums across lanes). Positions past n (up to a multiple of 16)
-// score -inf. Asks for K `far` bytes ahead unless far is 0.
+// broadcast pair of q multiplies with one dpbf16 (no sums across lanes), and the softmax is taken on the scores in
+// registers. Scores come scaled by log2(e) / sqrt(D), the weights being 2^(s - m) for a row's running maximum m
+// (row[0] of the rows in part, D + 2 apart), which is raised only when a score passes it by more than 8 (weights up
+// to 256): at a row's first position, and rarely after. The weights' sums build up in l[r], 16 lanes. Mask rows m
+// (S of them, L apart, row r0 + r's at (r0 + r) % S; null: every position seen) hide positions; so do those past n
+// (weights 0). Asks for K `far` bytes ahead unless far is 0, and, row after row of every 16 positions, for `per`
+// bytes more of next[0] and of next[1] (the next block's K and V past what the reads ask for).
 template <int D, int RT>
-static inline void qk_bf16(const uint16_t* q, const uint16_t* k, int64_t n, float scale, float* s, int64_t ld,
-                           int64_t far) {
+static inline void weights_bf16(const uint16_t* q, const uint16_t* k, int64_t n, float scale, const uint8_t* m,
+                                int64_t r0, int64_t S, int64_t L, float* part, __m512* l, uint16_t* w, int64_t ld,
+                                int64_t far, const char* const* next, int64_t per) {
+    const float iscale = 1.f / scale;  // the test against m on the products as they come
     for (int64_t j = 0; j < n; j += 16) {
         if (far)
             for (int i = 0; i < D / 2; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, KV_HINT);
-        __m512 acc[RT];
-        for (int r = 0; r < RT; r++) acc[r] = _mm512_setzero_ps();
+        // NA sums a row: a dpbf16 waits on the one before it in its sum (6 cycles on a Zen 4), and with fewer than 6
+        // sums the unit idled (Zen 4, 512-4096 positions: 3 rows 0.92-0.96x the time with 2 sums a row, 2 rows
+        // 0.85-0.88x with 3, 1 row of 128 dimensions 0.80-0.94x with 6)
+        constexpr int NA = RT >= 6 ? 1 : (6 + RT - 1) / RT;
+        __m512 acc[RT][NA];
+        for (int r = 0; r < RT; r++)
+            for (int a = 0; a < NA; a++) acc[r][a] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 32) {
             __m512i t[16];
             if (n - j >= 16)  // a whole block: no test per position
@@ -1154,12 +1199,26 @@ static inline void qk_bf16(const uint16_t* q, const uint16_t* k, int64_t n, floa
             transpose16(t);
 #pragma GCC unroll 16  // unrolled, t stays in registers (rolled, g++ stored it and loaded it back)
             for (int p = 0; p < 16; p++)
-                for (int r = 0; r < RT; r++) acc[r] = dpb(acc[r], t[p], q + r * D + d + 2 * p);
+                for (int r = 0; r < RT; r++) acc[r][p % NA] = dpb(acc[r][p % NA], t[p], q + r * D + d + 2 * p);
         }
-        __mmask16 live = n - j >= 16 ? 0xffff : (1u << (n - j)) - 1;
         for (int r = 0; r < RT; r++)
-            _mm512_storeu_ps(s + r * ld + j, _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, acc[r],
-                                                               _mm512_set1_ps(scale)));
+            for (int a = 1; a < NA; a++) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][a]);
+        const __mmask16 live = n - j >= 16 ? 0xffff : (1u << (n - j)) - 1;
+        for (int r = 0; r < RT; r++) {
+            for (int64_t i = per * (j / 16 * RT + r); i < per * (j / 16 * RT + r + 1); i += 64)
+                _mm_prefetch(next[0] + i, KV_HINT), _mm_prefetch(next[1] + i, KV_HINT);
+            __mmask16 seen = live;
+            if (m) {  // a masked load reads nothing past n
+                const __m128i b = _mm_maskz_loadu_epi8(live, m + (r0 + r) % S * L + j);
+                seen = _mm_test_epi8_mask(b, b);
+            }
+            float* row = part + r * (D + 2);
+            if (_mm512_mask_cmp_ps_mask(seen, acc[r][0], _mm512_set1_ps((row[0] + 8.f) * iscale), _CMP_GT_OQ))
+                raise_max_bf16(row, _mm512_mask_reduce_max_ps(seen, acc[r][0]) * scale, D, l[r], w + r * ld, j);
+            const __m512 p = exp2_16(_mm512_fmsub_ps(acc[r][0], _mm512_set1_ps(scale), _mm512_set1_ps(row[0])), seen);
+            l[r] = _mm512_add_ps(l[r], p);
+            _mm256_storeu_si256((__m256i*)(w + r * ld + j), (__m256i)_mm512_cvtneps_pbh(p));
+        }
     }
 }
 
@@ -1198,57 +1257,46 @@ static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int
 }
 
 
-// attend_chunk with dpbf16 (D 32 or more), q bf16 and scaled on the scores, reading K and V side by side a block of
-// 8 KB each at a time with the softmax online (as flash attention does): a row's running maximum m, sum l and output
-// are rescaled by e^(m - m') when a block raises m to m'. Two steady streams keep memory busy; with all of K read
-// before all of V, the weighted sum waited on V. Over 4096 positions x 22 layers on a Zen 5 this took 0.69x the
-// time of attend_chunk.
+// attend_chunk with dpbf16 (D 32 or more), q bf16, reading K and V side by side a block of 8 KB each at a time with
+// the softmax online (as flash attention does): two steady streams keep memory busy; with all of K read before all
+// of V, the weighted sum waited on V. Over 4096 positions x 22 layers on a Zen 5 this took 0.69x the time of
+// attend_chunk. On a Zen 4, the softmax taken on the scores in weights_bf16's registers took 0.89-0.93x the time of
+// a pass of its own over each block's scores from memory (the same from L3).
 template <int D>
 static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
                               const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1,
                               float* part) {
     constexpr int64_t BJ = 4096 / D;  // positions per block: 8 KB of K and of V
-    static thread_local vec<float> sc;  // [R][BJ] a block's scores
-    static thread_local vec<uint16_t> pb;  // [R][BJ] and its weights
+    static thread_local vec<uint16_t> pb;  // [R][BJ] a block's weights
+    static thread_local vec<float> ls;  // [R][16] each row's weights summed
     int64_t lo, hi;
     span(mask, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
     if (lo >= hi) return;
-    sc.resize(R * BJ), pb.resize(R * BJ);
-    const bool all = sees_all(mask, S, L, lo, hi);
-    // With 8 or more rows the softmax takes long enough for memory to go idle: each row asks for its share of the
-    // next block's K and V past KV_AHEAD (4096 positions on a Zen 5: 8 rows 0.86-0.94x the time, 14 rows 0.88x).
-    // With fewer rows the rest of the block is short, and these requests crowd the ones it makes (6 rows 0.96-1.04x,
-    // 4 rows 1.04x, 1 row 1.16x); asked for all at once, before the rows, 1.03x.
-    const int64_t rest = BJ * D * 2 - KV_AHEAD, per = R >= 8 ? (rest / 64 + R - 1) / R * 64 : 0;
+    pb.resize(R * BJ), ls.assign(R * 16, 0.f);
+    __m512* l = (__m512*)ls.data();
+    const uint8_t* m = sees_all(mask, S, L, lo, hi) ? nullptr : mask;
+    // With 8 or more rows the softmax takes long enough for memory to go idle: the rows ask for shares of the next
+    // block's K and V past KV_AHEAD as their weights come out (4096 positions x 22 layers on a Zen 4: without them,
+    // 1.08x the time from memory). With fewer rows the rest of the block is short, and these requests crowded the
+    // ones it makes (on a Zen 5, when a pass over the scores of its own took the softmax: 6 rows 0.96-1.04x, 4 rows
+    // 1.04x, 1 row 1.16x).
+    constexpr int64_t rest = BJ * D * 2 - KV_AHEAD, slots = BJ / 16 * 8;  // 16 positions x 8 rows a slot
+    const int64_t per = R >= 8 ? (rest / 64 + slots - 1) / slots * 64 : 0;
+    const float scale2 = scale * 1.44269504f;  // 2^(s log2(e)) = e^s
     for (int64_t b = lo; b < hi; b += BJ) {
         const int64_t nb = BJ < hi - b ? BJ : hi - b;
+        const char* next[2] = {(const char*)(k + (b + BJ) * D) + KV_AHEAD, (const char*)(v + (b + BJ) * D) + KV_AHEAD};
         for (int64_t r = 0; r < R; r += 8)
-            BY8(qk_bf16, D, R - r < 8 ? R - r : 8, q + r * D, k + b * D, nb, scale, &sc[r * BJ], BJ, r ? 0 : KV_AHEAD)
-        for (int64_t r = 0; r < R; r++) {
-            float* s = &sc[r * BJ];
-            const float bm = masked_max(s, nb, BJ, all ? nullptr : mask + (r % S) * L + b);
-            float* row = part + r * (D + 2);
-            const float m = fmaxf(row[0], bm);
-            if (m == -INFINITY) {  // nothing seen yet: weights 0
-                memset(&pb[r * BJ], 0, BJ * 2);
-                continue;
-            }
-            raise_max(row, m, D);
-            for (int64_t i = r * per; i < (r + 1) * per && i < rest; i += 64)
-                for (const uint16_t* x : {k, v}) _mm_prefetch((const char*)(x + (b + BJ) * D) + KV_AHEAD + i, KV_HINT);
-            const __m512 m16 = _mm512_set1_ps(m);
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t j = 0; j < BJ; j += 16) {
-                __m512 p = exp16_rough(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
-                sum = _mm512_add_ps(sum, p);
-                _mm256_storeu_si256((__m256i*)&pb[r * BJ + j], (__m256i)_mm512_cvtneps_pbh(p));
-            }
-            row[1] += _mm512_reduce_add_ps(sum);
-        }
+            BY8(weights_bf16, D, R - r < 8 ? R - r : 8, q + r * D, k + b * D, nb, scale2, m ? m + b : m, r, S, L,
+                part + r * (D + 2), l + r, &pb[r * BJ], BJ, r ? 0 : KV_AHEAD, next, r ? 0 : per)
         for (int64_t r = 0; r < R; r += 8)
             BY8(pv_bf16, D, R - r < 8 ? R - r : 8, &pb[r * BJ], BJ, v + b * D, nb, part + r * (D + 2) + 2,
                 r ? 0 : KV_AHEAD)
+    }
+    for (int64_t r = 0; r < R; r++) {  // the merge's units: m in e's powers
+        part[r * (D + 2)] *= 0.693147181f;
+        part[r * (D + 2) + 1] = _mm512_reduce_add_ps(l[r]);
     }
 }
 #endif
@@ -1284,16 +1332,18 @@ static void merge(const float* parts, uint16_t* out, int64_t B, int64_t H, int64
 extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out,
                        int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
                        int64_t mb) {
-    const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks;
-    // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
-    // there a thread_local name would be each worker's own
-    static thread_local vec<float> qf_, parts_;
-    parts_.resize(tasks * R * (D + 2));
 #ifdef __AVX512BF16__
     const bool fp32 = D < 32;  // attend_chunk_bf16 reads q as it is
 #else
     const bool fp32 = true;
 #endif
+    // attend_chunk holds all of a task's scores at once: CHUNK positions of them
+    const int64_t chunk = fp32 ? CHUNK : chunk_for(L, B * Hkv);
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks;
+    // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
+    // there a thread_local name would be each worker's own
+    static thread_local vec<float> qf_, parts_;
+    parts_.resize(tasks * R * (D + 2));
     const float scale = 1.f / sqrtf((float)D);
     // q in fp32, scaled, in in16's order, and 8 zero rows: padding. 16 at a time, unpacked as K is: element by
     // element it took 3.6 us of the 15 us a call over 33 positions took (32 heads of 64, Zen 3), a decode step's
@@ -1319,7 +1369,7 @@ extern "C" void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
             // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
             const int64_t q0 = (b * H + h * G) * S * D;
             const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
-            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+            const int64_t j0 = c * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
             float* part = &parts[t * R * (D + 2)];
 #ifdef __AVX512BF16__
             const uint16_t* qb = q + q0;
@@ -1529,7 +1579,8 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
                             const uint8_t* mask, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
                             int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t ksb, int64_t ksh, int64_t vsb,
                             int64_t vsh, int64_t mb) {
-    const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks, rows = B * H * S;
+    const int64_t chunk = chunk_for(L, B * Hkv);
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks, rows = B * H * S;
     static thread_local vec<float> parts_, qs_;
     static thread_local vec<uint8_t> q8_;
     parts_.resize(tasks * R * (D + 2)), qs_.resize(rows), q8_.resize(rows * D);
@@ -1558,7 +1609,7 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
             const int64_t q0 = (b * H + h * G) * S;  // the group's first query row
             const int8_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
             const float *kst = ks + b * ksb + h * ksh, *vst = vs + b * vsb + h * vsh;
-            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+            const int64_t j0 = c * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
             float* part = &parts[t * R * (D + 2)];
             switch (D) {
                 case 64: attend_chunk_int8<64>(q8 + q0 * D, qs + q0, kt, kst, vt, vst, mask + b * mb, S, L, R, j0, j1, part); break;
@@ -1577,7 +1628,8 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
                             const uint8_t* mask, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
                             int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t ksb, int64_t ksh, int64_t vsb,
                             int64_t vsh, int64_t mb) {
-    const int64_t G = H / Hkv, R = G * S, chunks = (L + CHUNK - 1) / CHUNK, tasks = B * Hkv * chunks;
+    const int64_t chunk = CHUNK;  // attend_chunk's score buffer
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks;
     static thread_local vec<float> qf_, parts_;
     parts_.resize(tasks * R * (D + 2));
     qf_.assign(B * H * S * D + 8 * D, 0.f);  // q in fp32, scaled, and 8 zero rows: padding
@@ -1591,7 +1643,7 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
             const float* qt = qf + (b * H + h * G) * S * D;
             const int8_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
             const float *kst = ks + b * ksb + h * ksh, *vst = vs + b * vsb + h * vsh;
-            const int64_t j0 = c * CHUNK, j1 = j0 + CHUNK < L ? j0 + CHUNK : L;
+            const int64_t j0 = c * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
             const uint8_t* mt = mask + b * mb;
             float* part = &parts[t * R * (D + 2)];
             switch (D) {

@@ -362,11 +362,12 @@ def attention_case(B, H, Hkv, S, L, D, pad=None, cache=None):
 
 @pytest.mark.parametrize("B,H,Hkv,S,L,D,pad", [
     (1, 32, 4, 1, 256, 64, None),  # TinyLlama's decode step
-    (1, 9, 3, 1, 4100, 64, None),  # SmolLM2's heads at 4k context: 17 chunks, the last of 4 positions
+    (1, 9, 3, 1, 4100, 64, None),  # SmolLM2's heads at 4k context, the last block of 4 positions
     (3, 6, 2, 5, 600, 64, [0, 3, 300]),  # verification of 5 tokens, left padding; row 2's first chunk all hidden
     (2, 4, 4, 7, 19, 128, [1, 0]),  # multi-head, 128 dimensions, a context shorter than 8 positions past a block
     (1, 8, 1, 3, 40, 32, None),  # multi-query
     (1, 4, 2, 1, 33, 16, None),  # two query rows per KV head, 16 dimensions
+    (1, 8, 4, 1, 300, 128, None),  # two query rows per KV head, 128 dimensions
     (2, 2, 2, 1, 70, 256, [5, 0]),  # multi-head decode: one query row per KV head, 256 dimensions
 ])
 def test_attention_for_few_rows_equals_torchs_to_a_bf16_step(kernels, B, H, Hkv, S, L, D, pad):
@@ -375,6 +376,20 @@ def test_attention_for_few_rows_equals_torchs_to_a_bf16_step(kernels, B, H, Hkv,
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
     got = cpu_gemv.sdpa(q, k, v, attn_mask=mask, enable_gqa=H != Hkv)
     assert got.shape == exact.shape and got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 2e-3).all()
+
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_attention_follows_scores_far_above_the_first_ones(kernels, late):
+    # the kernel keeps each row's running maximum and rescales what it summed when a score passes it by far: a key
+    # that scores ~40 above the rest takes nearly all the weight, early in the cache or late in a block
+    torch.manual_seed(0)
+    q, k, v, mask = attention_case(1, 8, 2, 1, 300, 64, cache=350)
+    at = 170 if late else 0
+    k[:, :, at] = (q.float().mean(1) * 40 / q.float().mean(1).norm(dim=-1, keepdim=True) * 8 ** 0.5).bfloat16()
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    got = cpu_gemv.sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 2e-3).all()
 
 
