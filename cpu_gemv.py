@@ -1601,10 +1601,11 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
     }
     float *parts = parts_.data(), *qs = qs_.data();
     const uint8_t* q8 = q8_.data();
-    #pragma omp parallel
+    const int nt = omp_get_max_threads();  // the tasks shared as attend's are
+    std::vector<Range>& ranges = split_ranges(tasks, nt);
+    #pragma omp parallel num_threads(nt)
     {
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
+        take_shared(ranges, nt, 1, [&](int64_t t, int64_t) {
             int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
             const int64_t q0 = (b * H + h * G) * S;  // the group's first query row
             const int8_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
@@ -1616,7 +1617,8 @@ extern "C" void attend_int8(const uint16_t* q, const int8_t* k, const float* ks,
                 case 128: attend_chunk_int8<128>(q8 + q0 * D, qs + q0, kt, kst, vt, vst, mask + b * mb, S, L, R, j0, j1, part); break;
                 default: attend_chunk_int8<256>(q8 + q0 * D, qs + q0, kt, kst, vt, vst, mask + b * mb, S, L, R, j0, j1, part);
             }
-        }
+        });
+        #pragma omp barrier
         merge<slot8>(parts, out, B, H, Hkv, S, D, chunks);
     }
 }
