@@ -172,7 +172,12 @@ def main_of_rank(argv=None):
     except RuntimeError as e:  # a collective fails when another rank dies or stops answering
         if not dist.is_initialized():
             raise
-        raise ValueError(f"rank {dist.get_rank()} lost contact with the other ranks: {cli.first_line(e)}") from None
+        # one line, then out at once, as finish() leaves: tearing gloo down with a peer gone could abort after it
+        # ("terminate called without an active exception")
+        sys.stdout.flush()
+        print(f"error: rank {dist.get_rank()} lost contact with the other ranks: {cli.first_line(e)}",
+              file=sys.stderr, flush=True)
+        os._exit(cli.BAD_INPUT)
 
 
 if __name__ == "__main__":
