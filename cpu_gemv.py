@@ -1535,37 +1535,40 @@ static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k
             for (int64_t c = 0; c < NC; c++)
                 vbig[c] = _mm512_max_ps(vbig[c], x[c]), _mm512_storeu_ps(&vsb[c * BJ + j], x[c]);
         }
-        for (int64_t c = 0; c < NC; c++) vtop[c] = _mm512_reduce_max_ps(vbig[c]);
+        for (int64_t c = 0; c < NC; c++) {  // V's scales over the block's largest, times 255: for every row
+            vtop[c] = _mm512_reduce_max_ps(vbig[c]);
+            const __m512 g = _mm512_set1_ps(vtop[c] > 0.f ? 255.f / vtop[c] : 0.f);
+            for (int64_t j = 0; j < BJ; j += 16)
+                _mm512_storeu_ps(&vsb[c * BJ + j], _mm512_mul_ps(_mm512_loadu_ps(&vsb[c * BJ + j]), g));
+        }
         for (int64_t r = 0; r < R; r++) {
             float* s = &sc[r * BJ];
             const float bm = masked_max(s, nb, BJ, all ? nullptr : mask + (r % S) * L + b);
             float* row = part + r * (D + 2);
-            const float m = fmaxf(row[0], bm);
             for (int64_t c = 0; c < NC; c++) pw[c * R + r] = 0.f;
-            if (m == -INFINITY) {  // nothing seen yet: weights 0
+            if (bm == -INFINITY) {  // nothing seen in this block: weights 0
                 for (int64_t c = 0; c < NC; c++) memset(&pb[(c * R + r) * BJ], 0, BJ);
                 continue;
             }
+            const float m = fmaxf(row[0], bm);
             raise_max(row, m, D);
-            // every weight times its V scale is at most e^(bm - m) times the block's largest V scale: that bound
-            // is 255, so the weights are rounded as they come out, in one pass
-            __m512 f[NC];
-            for (int64_t c = 0; c < NC; c++) {
-                const float bound = expf(bm - m) * vtop[c];
-                f[c] = _mm512_set1_ps(bound > 0.f ? 255.f / bound : 0.f), pw[c * R + r] = bound / 255.f;
-            }
-            const __m512 m16 = _mm512_set1_ps(m);
+            // the weights are e^(s - bm) e^(bm - m): every one times its V scale is at most e^(bm - m) times the
+            // block's largest V scale, so e^(s - bm) times V's scale over that largest, times 255, rounds to 8 bits
+            // as it comes out, in one pass, and e^(bm - m) goes into the scale pv_int8 multiplies by
+            const float e = expf(bm - m);
+            for (int64_t c = 0; c < NC; c++) pw[c * R + r] = e * vtop[c] / 255.f;
+            const __m512 m16 = _mm512_set1_ps(bm);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < BJ; j += 16) {
                 __m512 p = exp16_rough(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
                 sum = _mm512_add_ps(sum, p);
                 for (int64_t c = 0; c < NC; c++) {
-                    __m512 w = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_loadu_ps(&vsb[c * BJ + j])), f[c]);
+                    __m512 w = _mm512_mul_ps(p, _mm512_loadu_ps(&vsb[c * BJ + j]));
                     _mm_storeu_si128((__m128i*)&pb[(c * R + r) * BJ + j],
                                      _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(w)));
                 }
             }
-            row[1] += _mm512_reduce_add_ps(sum);
+            row[1] += e * _mm512_reduce_add_ps(sum);
         }
         for (int64_t r = 0; r < R; r += 8)
             BY8(pv_int8, D, R - r < 8 ? R - r : 8, &pb[r * BJ], R * BJ, BJ, &pw[r], R, v + b * D, nb,
