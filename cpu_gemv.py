@@ -1411,8 +1411,8 @@ static inline __m512i bcast4(const uint8_t* p) {  // four bytes, broadcast
 }
 
 // s[r][j] = qs[r] ks[j] q_r . k_j for RT rows of q + 128 (uint8, D apart, so that dpbusd's unsigned operand is q) and
-// n positions of int8 K (D apart), 16 positions at a time, K transposed in registers as in qk_bf16; the 128 sum(k_j)
-// the offset adds is taken off, counted by one more dpbusd. Positions past n score -inf.
+// n positions of int8 K (D apart), 16 positions at a time, K transposed in registers as in weights_bf16; the 128
+// sum(k_j) the offset adds is taken off, counted by one more dpbusd. Positions past n score -inf.
 template <int D, int RT>
 static inline void qk_int8(const uint8_t* q, const float* qs, const int8_t* k, const float* ks, int64_t n, float* s,
                            int64_t ld, int64_t far, const int8_t* v) {
