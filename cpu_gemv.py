@@ -1127,110 +1127,219 @@ static inline void raise_max(float* row, float m, int64_t D) {
 // int8 cache, attend_chunk_int8, 0.71x).
 enum { KV_AHEAD = 4096 };
 
-// acc + w times p's pair of bf16 broadcast, the broadcast inside dpbf16's memory operand: g++ keeps a separate
-// vpbroadcastd for _mm512_set1_epi32 there, one instruction more per dpbf16 (scores over 4096 positions x 22 layers,
-// Zen 4: 0.97-0.98x the time)
-static inline __m512 dpb(__m512 acc, __m512i w, const uint16_t* p) {
-    asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const uint32_t*)p));
-    return acc;
-}
-
 static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     uint32_t u;
     memcpy(&u, p, 4);
     return _mm512_set1_epi32(u);
 }
 
-// 2^x to about 1e-4 (a degree-3 polynomial, fitted for the relative error) in the lanes keep sets, 0 in the others:
-// the attention's weights are rounded to bf16 after it, a step of 4e-3. At least 2^-126: no subnormals, which are
-// slow.
-static inline __m512 exp2_16(__m512 x, __mmask16 keep) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0550085814f), f, _mm512_set1_ps(0.242210374f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932829f));
-    return _mm512_maskz_scalef_ps(keep, _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f)), n);
-}
+// The scores' vectors: 16 lanes, padded(RT) rows by E = 16 / padded(RT). Lane r * E + e of a product holds row r's
+// sum over K's dimension pairs e, e + E, e + 2E, ..., and after fold_all lane r * E + e holds row r's score at
+// position e of E: no transposition of K (16 x 16 words, 8 shuffles a position at 8 rows) and no sums across lanes,
+// but E - 1 folds for E positions. Over 4096 positions x 22 layers on a Zen 4 (8 rows): 0.85-0.87x the time of the
+// transposition from L3, with the changes to the softmax below.
+static constexpr int padded(int rows) { return rows > 4 ? 8 : rows > 2 ? 4 : rows; }  // to a power of 2
 
-// A row's maximum row[0] raised to m (log2 units): its output row[2..], its weights' sums l and its weights w[0, j)
-// already written in this block rescaled by 2^(row[0] - m)
-static inline void raise_max_bf16(float* row, float m, int64_t D, __m512& l, uint16_t* w, int64_t j) {
-    const float c = exp2f(row[0] - m);  // 0 from -inf: nothing seen before
-    row[0] = m, l = _mm512_mul_ps(l, _mm512_set1_ps(c));
-    for (int64_t d = 0; d < D; d++) row[2 + d] *= c;
-    for (int64_t i = 0; i < j; i += 16) {
-        const __m512i x = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + i))), 16);
-        const __m512 y = _mm512_mul_ps(_mm512_castsi512_ps(x), _mm512_set1_ps(c));
-        _mm256_storeu_si256((__m256i*)(w + i), (__m256i)_mm512_cvtneps_pbh(y));
+// K's E dimension pairs at p, broadcast to every row's lanes
+template <int E>
+static inline __m512i kpairs(const uint16_t* p) {
+    if constexpr (E == 2) {
+        int64_t u;
+        memcpy(&u, p, 8);
+        return _mm512_set1_epi64(u);
+    } else if constexpr (E == 4) {
+        return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
+    } else if constexpr (E == 8) {
+        return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
+    } else {
+        return _mm512_loadu_si512(p);
     }
 }
 
-// The weights w[r][j] (bf16, rows ld apart) of RT rows of bf16 q (D apart) over n positions of K (D apart), 16
-// positions at a time: K transposed in registers puts one dimension pair of 16 positions in a vector, which a
-// broadcast pair of q multiplies with one dpbf16 (no sums across lanes), and the softmax is taken on the scores in
-// registers. Scores come scaled by log2(e) / sqrt(D), the weights being 2^(s - m) for a row's running maximum m
-// (row[0] of the rows in part, D + 2 apart), which is raised only when a score passes it by more than 8 (weights up
-// to 256): at a row's first position, and rarely after. The weights' sums build up in l[r], 16 lanes. Mask rows m
-// (S of them, L apart, row r0 + r's at (r0 + r) % S; null: every position seen) hide positions; so do those past n
-// (weights 0). Asks for K `far` bytes ahead unless far is 0, and, row after row of every 16 positions, for `per`
-// bytes more of next[0] and of next[1] (the next block's K and V past what the reads ask for).
+// qv[g][r * E + e]: row r's dimension pair g * E + e of RT rows of bf16 q (D apart); 0 for rows RT .. P - 1
 template <int D, int RT>
-static inline void weights_bf16(const uint16_t* q, const uint16_t* k, int64_t n, float scale, const uint8_t* m,
-                                int64_t r0, int64_t S, int64_t L, float* part, __m512* l, uint16_t* w, int64_t ld,
+static inline void arrange_q(const uint16_t* q, uint32_t* qv) {
+    constexpr int P = padded(RT), E = 16 / P;
+    for (int g = 0; g < D / 2 / E; g++)
+        for (int r = 0; r < P; r++)
+            for (int e = 0; e < E; e++) {
+                uint32_t u = 0;
+                if (r < RT) memcpy(&u, q + r * D + 2 * (g * E + e), 4);
+                qv[g * 16 + r * E + e] = u;
+            }
+}
+
+// x's lanes l and l ^ H swapped
+template <int H>
+static inline __m512 swap_lanes(__m512 x) {
+    if constexpr (H == 1) return _mm512_permute_ps(x, 0xb1);
+    else if constexpr (H == 2) return _mm512_permute_ps(x, 0x4e);
+    else if constexpr (H == 4) return _mm512_shuffle_f32x4(x, x, 0xb1);
+    else return _mm512_shuffle_f32x4(x, x, 0x4e);
+}
+
+// Lanes with bit H clear: a's lanes l and l ^ H summed; lanes with bit H set: b's
+template <int H>
+static inline __m512 fold(__m512 a, __m512 b) {
+    constexpr __mmask16 set = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
+    return _mm512_add_ps(_mm512_mask_blend_ps(set, a, b), swap_lanes<H>(_mm512_mask_blend_ps(set, b, a)));
+}
+
+// E products (positions 0 .. E - 1) folded into one vector of scores, lane r * E + e: row r at position e
+template <int E>
+static inline __m512 fold_all(__m512* x) {
+    if constexpr (E >= 16)
+        for (int t = 0; t < 8; t++) x[t] = fold<8>(x[t], x[t + 8]);
+    if constexpr (E >= 8)
+        for (int t = 0; t < 4; t++) x[t] = fold<4>(x[t], x[t + 4]);
+    if constexpr (E >= 4)
+        for (int t = 0; t < 2; t++) x[t] = fold<2>(x[t], x[t + 2]);
+    return E >= 2 ? fold<1>(x[0], x[1]) : x[0];
+}
+
+// 2^x to about 1.2e-4 in the lanes keep sets, 0 in the others and for x <= -125: x rounded to sixteenths by adding
+// GRID, 2^(i/16) looked up in registers, and a line for 2^r on |r| <= 1/32. One FMA where a degree-3 polynomial took
+// three, besides a max, a roundscale and a scalef: FMAs wait on the units dpbf16 runs on (the attention over 4096
+// positions x 22 layers, Zen 4: 0.98x the time from L3). The weights are rounded to bf16 after it, a step of 4e-3.
+static constexpr float GRID = 786432.f;  // 1.5 x 2^19: sums near it are rounded to sixteenths
+static inline __m512 exp2_grid(__m512 x, __mmask16 keep) {
+    const __m512 t = _mm512_add_ps(x, _mm512_set1_ps(GRID));  // i / 16 in its low mantissa bits, over 2^18 + n
+    keep = _mm512_mask_cmp_ps_mask(keep, x, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
+    const __m512 r = _mm512_sub_ps(x, _mm512_sub_ps(t, _mm512_set1_ps(GRID)));
+    const __m512i ti = _mm512_castps_si512(t);
+    // a + b r: 2^r on |r| <= 1/32 (minimax relative error), times 2^(i/16)
+    const __m512 a = _mm512_setr_ps(1.000117f, 1.044396f, 1.0906353f, 1.1389219f, 1.1893463f, 1.2420031f,
+                                    1.2969913f, 1.354414f, 1.414379f, 1.4769989f, 1.5423913f, 1.6106788f,
+                                    1.6819896f, 1.7564576f, 1.8342227f, 1.9154306f);
+    const __m512 b = _mm512_setr_ps(0.69312f, 0.72380704f, 0.75585272f, 0.78931718f, 0.82426324f, 0.86075649f,
+                                    0.89886543f, 0.9386616f, 0.9802197f, 1.0236177f, 1.0689372f, 1.1162631f,
+                                    1.1656842f, 1.2172935f, 1.2711877f, 1.327468f);
+    const __m512 p = _mm512_fmadd_ps(_mm512_permutexvar_ps(ti, b), r, _mm512_permutexvar_ps(ti, a));
+    const __m512i e = _mm512_and_si512(_mm512_slli_epi32(ti, 19), _mm512_set1_epi32(0xff800000));
+    return _mm512_castsi512_ps(_mm512_maskz_add_epi32(keep, _mm512_castps_si512(p), e));
+}
+
+// Rows of the scores s (lanes as weights_bf16's) whose maximum mr[r] (log2 units) a seen score passes by more than
+// 8: the maximum raised to it, the row's output, its sums in l (returned) and its weights already written (positions
+// [0, n) of w) rescaled by 2^(m - new m). Out of line: rare, and inline its registers crowded the loop's.
+template <int D, int RT>
+__attribute__((noinline)) static __m256 raise_max_bf16(__m512 s, __mmask16 seen, float scale, float* mr, float* part,
+                                                       __m256 l, uint16_t* w, int64_t n) {
+    constexpr int E = 16 / padded(RT);
+    alignas(64) float sv[16];
+    _mm512_store_ps(sv, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+    for (int r = 0; r < RT; r++) {
+        float x = -INFINITY;
+        for (int e = 0; e < E; e++)
+            if (seen >> (r * E + e) & 1) x = sv[r * E + e] > x ? sv[r * E + e] : x;
+        if (!(x > mr[r] + 8.f)) continue;
+        const float f = exp2f(mr[r] - x);  // 0 from -inf: nothing seen before
+        mr[r] = x;
+        for (int d = 0; d < D; d++) part[r * (D + 2) + 2 + d] *= f;
+        l = _mm256_mask_mul_ps(l, ((1u << E / 2) - 1) << (r * E / 2), l, _mm256_set1_ps(f));
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t& y = w[i / E * 16 + r * E + i % E];
+            y = to_bf16(from_bf16(y) * f);
+        }
+    }
+    return l;
+}
+
+// The weights of RT rows of q (arranged by arrange_q in qv) over n positions of K (D apart), bf16, into w: E
+// positions of every row (lanes as the scores') in each 16 of w. 16 positions at a time: a product of each position
+// with q's E pairs broadcast, one dpbf16 for all rows, then E - 1 folds for each E positions, and the softmax taken
+// on the scores in registers. Scores come scaled by log2(e) / sqrt(D), the weights being 2^(s - m) for a row's
+// running maximum m (row[0] of the rows in part, D + 2 apart), which is raised only when a score passes it by more
+// than 8 (weights up to 256): at a row's first 16 positions, and rarely after. The weights, as rounded, are summed
+// in l, E / 2 lanes a row. Mask rows m (S of them, L apart, row r0 + r's at (r0 + r) % S; null: every
+// position seen) hide positions; so do those past n (weights 0). Asks for K `far` bytes ahead unless far is 0, and,
+// vector after vector of every 16 positions, for `per` bytes more of next[0] and of next[1] (the next block's K and
+// V past what the reads ask for).
+template <int D, int RT>
+static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n, float scale, const uint8_t* m,
+                                int64_t r0, int64_t S, int64_t L, float* part, __m256& sums, uint16_t* w,
                                 int64_t far, const char* const* next, int64_t per) {
+    constexpr int P = padded(RT), E = 16 / P;
+    constexpr __mmask16 rows = RT * E == 16 ? 0xffff : (1u << (RT * E)) - 1;  // the lanes of rows, not padding
+    static thread_local uint16_t tail[16 * D];  // the last positions, then zeros: no reads past n
+    const __m512i row_of = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             __builtin_ctz(E));
+    alignas(64) float mr[16];
+    for (int r = 0; r < 16; r++) mr[r] = r < RT ? part[r * (D + 2)] : -INFINITY;
     const float iscale = 1.f / scale;  // the test against m on the products as they come
+    __m256 l = sums;  // in a register: through memory, each vector's sum waited on the one before it
+    const __m256bh ones = (__m256bh)_mm256_set1_epi16(0x3f80);
+    __m512 mv = _mm512_permutexvar_ps(row_of, _mm512_load_ps(mr));
+    __m512 top = _mm512_mul_ps(_mm512_add_ps(mv, _mm512_set1_ps(8.f)), _mm512_set1_ps(iscale));
     for (int64_t j = 0; j < n; j += 16) {
         if (far)
             for (int i = 0; i < D / 2; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, KV_HINT);
-        // NA sums a row: a dpbf16 waits on the one before it in its sum (6 cycles on a Zen 4), and with fewer than 6
-        // sums the unit idled (Zen 4, 512-4096 positions: 3 rows 0.92-0.96x the time with 2 sums a row, 2 rows
-        // 0.85-0.88x with 3, 1 row of 128 dimensions 0.80-0.94x with 6)
-        constexpr int NA = RT >= 6 ? 1 : (6 + RT - 1) / RT;
-        __m512 acc[RT][NA];
-        for (int r = 0; r < RT; r++)
-            for (int a = 0; a < NA; a++) acc[r][a] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 32) {
-            __m512i t[16];
-            if (n - j >= 16)  // a whole block: no test per position
-                for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_si512(k + (j + i) * D + d);
-            else
-                for (int i = 0; i < 16; i++)
-                    t[i] = j + i < n ? _mm512_loadu_si512(k + (j + i) * D + d) : _mm512_setzero_si512();
-            transpose16(t);
-#pragma GCC unroll 16  // unrolled, t stays in registers (rolled, g++ stored it and loaded it back)
-            for (int p = 0; p < 16; p++)
-                for (int r = 0; r < RT; r++) acc[r][p % NA] = dpb(acc[r][p % NA], t[p], q + r * D + d + 2 * p);
+        const uint16_t* kb = k + j * D;
+        if (n - j < 16) {
+            memcpy(tail, kb, (n - j) * D * 2);
+            memset(tail + (n - j) * D, 0, (16 - (n - j)) * D * 2);
+            kb = tail;
         }
-        for (int r = 0; r < RT; r++)
-            for (int a = 1; a < NA; a++) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][a]);
-        const __mmask16 live = n - j >= 16 ? 0xffff : (1u << (n - j)) - 1;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        for (int g = 0; g < D / 2 / E; g++) {
+            const __m512i qg = _mm512_loadu_si512(qv + 16 * g);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) acc[i] = dp(acc[i], kpairs<E>(kb + i * D + 2 * E * g), qg);
+        }
+        uint32_t seen_r[RT];  // each row's positions j .. j + 15 seen (bits)
         for (int r = 0; r < RT; r++) {
-            for (int64_t i = per * (j / 16 * RT + r); i < per * (j / 16 * RT + r + 1); i += 64)
-                _mm_prefetch(next[0] + i, KV_HINT), _mm_prefetch(next[1] + i, KV_HINT);
-            __mmask16 seen = live;
+            seen_r[r] = n - j >= 16 ? 0xffff : (1u << (n - j)) - 1;
             if (m) {  // a masked load reads nothing past n
-                const __m128i b = _mm_maskz_loadu_epi8(live, m + (r0 + r) % S * L + j);
-                seen = _mm_test_epi8_mask(b, b);
+                const __m128i b = _mm_maskz_loadu_epi8(seen_r[r], m + (r0 + r) % S * L + j);
+                seen_r[r] = _mm_test_epi8_mask(b, b);
             }
-            float* row = part + r * (D + 2);
-            if (_mm512_mask_cmp_ps_mask(seen, acc[r][0], _mm512_set1_ps((row[0] + 8.f) * iscale), _CMP_GT_OQ))
-                raise_max_bf16(row, _mm512_mask_reduce_max_ps(seen, acc[r][0]) * scale, D, l[r], w + r * ld, j);
-            const __m512 p = exp2_16(_mm512_fmsub_ps(acc[r][0], _mm512_set1_ps(scale), _mm512_set1_ps(row[0])), seen);
-            l[r] = _mm512_add_ps(l[r], p);
-            _mm256_storeu_si256((__m256i*)(w + r * ld + j), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        // the scores and which are seen; their maximum over the 16 positions decides a raise before any weight is
+        // written: a row's first maximum is that of its first 16 positions, not of its first E, and its largest weight
+        // is then often exactly 1, which bf16 keeps (with the first E, outputs over 19 positions missed the tests'
+        // bf16 tolerance)
+        __m512 sc[P], top16 = _mm512_set1_ps(-INFINITY);
+        __mmask16 seen[P], any = 0;
+#pragma GCC unroll 8
+        for (int c = 0; c < P; c++) {
+            sc[c] = fold_all<E>(acc + c * E);
+            if (!m && n - j >= 16) {
+                seen[c] = rows;
+            } else {
+                seen[c] = 0;
+                for (int r = 0; r < RT; r++) seen[c] |= (seen_r[r] >> (c * E) & ((1u << E) - 1)) << (r * E);
+            }
+            top16 = _mm512_mask_max_ps(top16, seen[c], top16, sc[c]), any |= seen[c];
+        }
+        if (_mm512_mask_cmp_ps_mask(any, top16, top, _CMP_GT_OQ)) {  // rows whose maximum rises
+            l = raise_max_bf16<D, RT>(top16, any, scale, mr, part, l, w, j);
+            mv = _mm512_permutexvar_ps(row_of, _mm512_load_ps(mr));
+            top = _mm512_mul_ps(_mm512_add_ps(mv, _mm512_set1_ps(8.f)), _mm512_set1_ps(iscale));
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < P; c++) {
+            for (int64_t i = per * (j / 16 * P + c); i < per * (j / 16 * P + c + 1); i += 64)
+                _mm_prefetch(next[0] + i, KV_HINT), _mm_prefetch(next[1] + i, KV_HINT);
+            const __m512 p = exp2_grid(_mm512_fmsub_ps(sc[c], _mm512_set1_ps(scale), mv), seen[c]);
+            const __m256bh pb = _mm512_cvtneps_pbh(p);
+            l = _mm256_dpbf16_ps(l, pb, ones);  // the weights as rounded: their errors cancel in out / l
+            _mm256_storeu_si256((__m256i*)(w + (j / E + c) * 16), (__m256i)pb);
         }
     }
+    for (int r = 0; r < RT; r++) part[r * (D + 2)] = mr[r];
+    sums = l;
 }
 
-// o_r += sum_j p[r][j] v_j for RT rows of bf16 weights (ld apart) over n positions of V (D apart), o's rows D + 2
-// apart in in32's order: V's positions j and j + 1 interleaved by one unpack are the pairs dpbf16 multiplies. With
-// few rows, a pass over the positions takes several 32-dimension blocks (NB), up to 16 sums: each sum waits on its
-// previous dpbf16, and 2 or 6 of them left the unit idle (4096 positions on a Zen 5: 1 row of 64 dimensions 0.89x
-// the time, 3 rows 0.93x, 2 rows of 128 0.74x, 1 row of 256 0.76x; 8 rows keep one block a pass). Asks for V `far`
-// bytes ahead unless far is 0.
+// o_r += sum_j p[r][j] v_j for RT rows of bf16 weights (in weights_bf16's order) over n positions of V (D apart),
+// o's rows D + 2 apart in in32's order: V's positions j and j + 1 interleaved by one unpack are the pairs dpbf16
+// multiplies. With few rows, a pass over the positions takes several 32-dimension blocks (NB), up to 16 sums: each
+// sum waits on its previous dpbf16, and 2 or 6 of them left the unit idle (4096 positions on a Zen 5: 1 row of 64
+// dimensions 0.89x the time, 3 rows 0.93x, 2 rows of 128 0.74x, 1 row of 256 0.76x; 8 rows keep one block a pass).
+// Asks for V `far` bytes ahead unless far is 0.
 template <int D, int RT>
-static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int64_t n, float* o, int64_t far) {
-    constexpr int NB = RT * (D / 32) <= 8 ? D / 32 : 1;
+static inline void pv_bf16(const uint16_t* p, const uint16_t* v, int64_t n, float* o, int64_t far) {
+    constexpr int NB = RT * (D / 32) <= 8 ? D / 32 : 1, E = 16 / padded(RT);
     for (int d0 = 0; d0 < D; d0 += 32 * NB) {
         __m512 acc[RT][NB][2];
         for (int r = 0; r < RT; r++)
@@ -1239,14 +1348,15 @@ static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int
         for (int64_t j = 0; j < n; j += 2) {
             if (far && d0 == 0)
                 for (int i = 0; i < D / 16; i++) _mm_prefetch((const char*)(v + j * D) + far + 64 * i, KV_HINT);
+            const uint16_t* pj = p + j / E * 16 + j % E;  // row 0's weights at j and j + 1
             for (int c = 0; c < NB; c++) {
                 const int d = d0 + 32 * c;
                 __m512i w0 = _mm512_loadu_si512(v + j * D + d);
                 __m512i w1 = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * D + d) : _mm512_setzero_si512();
                 __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
                 for (int r = 0; r < RT; r++) {
-                    __m512i pj = pair(p + r * ld + j);
-                    acc[r][c][0] = dp(acc[r][c][0], a, pj), acc[r][c][1] = dp(acc[r][c][1], b, pj);
+                    __m512i x = pair(pj + r * E);
+                    acc[r][c][0] = dp(acc[r][c][0], a, x), acc[r][c][1] = dp(acc[r][c][1], b, x);
                 }
             }
         }
@@ -1261,20 +1371,24 @@ static inline void pv_bf16(const uint16_t* p, int64_t ld, const uint16_t* v, int
 // the softmax online (as flash attention does): two steady streams keep memory busy; with all of K read before all
 // of V, the weighted sum waited on V. Over 4096 positions x 22 layers on a Zen 5 this took 0.69x the time of
 // attend_chunk. On a Zen 4, the softmax taken on the scores in weights_bf16's registers took 0.89-0.93x the time of
-// a pass of its own over each block's scores from memory (the same from L3).
+// a pass of its own over each block's scores from memory (the same from L3), before the scores' vectors held rows by
+// positions.
 template <int D>
 static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
                               const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1,
                               float* part) {
     constexpr int64_t BJ = 4096 / D;  // positions per block: 8 KB of K and of V
-    static thread_local vec<uint16_t> pb;  // [R][BJ] a block's weights
-    static thread_local vec<float> ls;  // [R][16] each row's weights summed
+    static thread_local vec<uint16_t> pb;  // [R / 8][BJ / E][16] a block's weights, 8 rows at a time
+    static thread_local vec<uint32_t> qv;  // [R / 8][4 D] q's pairs as weights_bf16 reads them
+    static thread_local vec<float> ls;  // [R / 8][8] the weights summed
     int64_t lo, hi;
     span(mask, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
     if (lo >= hi) return;
-    pb.resize(R * BJ), ls.assign(R * 16, 0.f);
-    __m512* l = (__m512*)ls.data();
+    const int64_t tiles = (R + 7) / 8;
+    pb.resize(tiles * 8 * BJ), qv.resize(tiles * 4 * D), ls.assign(tiles * 8, 0.f);
+    __m256* l = (__m256*)ls.data();
+    for (int64_t r = 0; r < R; r += 8) BY8(arrange_q, D, R - r < 8 ? R - r : 8, q + r * D, &qv[r / 8 * 4 * D])
     const uint8_t* m = sees_all(mask, S, L, lo, hi) ? nullptr : mask;
     // With 8 or more rows the softmax takes long enough for memory to go idle: the rows ask for shares of the next
     // block's K and V past KV_AHEAD as their weights come out (4096 positions x 22 layers on a Zen 4: without them,
@@ -1288,18 +1402,22 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
         const int64_t nb = BJ < hi - b ? BJ : hi - b;
         const char* next[2] = {(const char*)(k + (b + BJ) * D) + KV_AHEAD, (const char*)(v + (b + BJ) * D) + KV_AHEAD};
         for (int64_t r = 0; r < R; r += 8)
-            BY8(weights_bf16, D, R - r < 8 ? R - r : 8, q + r * D, k + b * D, nb, scale2, m ? m + b : m, r, S, L,
-                part + r * (D + 2), l + r, &pb[r * BJ], BJ, r ? 0 : KV_AHEAD, next, r ? 0 : per)
+            BY8(weights_bf16, D, R - r < 8 ? R - r : 8, &qv[r / 8 * 4 * D], k + b * D, nb, scale2, m ? m + b : m, r,
+                S, L, part + r * (D + 2), l[r / 8], &pb[r * BJ], r ? 0 : KV_AHEAD, next, r ? 0 : per)
         for (int64_t r = 0; r < R; r += 8)
-            BY8(pv_bf16, D, R - r < 8 ? R - r : 8, &pb[r * BJ], BJ, v + b * D, nb, part + r * (D + 2) + 2,
+            BY8(pv_bf16, D, R - r < 8 ? R - r : 8, &pb[r * BJ], v + b * D, nb, part + r * (D + 2) + 2,
                 r ? 0 : KV_AHEAD)
     }
-    for (int64_t r = 0; r < R; r++) {  // the merge's units: m in e's powers
+    for (int64_t r = 0; r < R; r++) {  // the merge's units: m in e's powers; a row's sum from its E / 2 lanes
+        const int64_t t = r / 8, E = 16 / padded(R - t * 8 < 8 ? R - t * 8 : 8);
         part[r * (D + 2)] *= 0.693147181f;
-        part[r * (D + 2) + 1] = _mm512_reduce_add_ps(l[r]);
+        float sum = 0.f;
+        for (int64_t e = 0; e < E / 2; e++) sum += ls[t * 8 + r % 8 * E / 2 + e];
+        part[r * (D + 2) + 1] = sum;
     }
 }
 #endif
+
 
 // Inside a parallel region: out [B, H, S, D] bf16 from the chunks' parts, each row's chunks weighted by e^(m_c - max m);
 // slot(D, d): where the parts keep dimension d

@@ -363,6 +363,8 @@ def attention_case(B, H, Hkv, S, L, D, pad=None, cache=None):
 @pytest.mark.parametrize("B,H,Hkv,S,L,D,pad", [
     (1, 32, 4, 1, 256, 64, None),  # TinyLlama's decode step
     (1, 9, 3, 1, 4100, 64, None),  # SmolLM2's heads at 4k context, the last block of 4 positions
+    (1, 32, 8, 1, 1000, 128, None),  # Llama 3 8B's decode step: 4 query rows per KV head, 128 dimensions
+    (1, 12, 2, 1, 200, 64, None),  # 6 query rows per KV head: scored as 8, two of them padding
     (3, 6, 2, 5, 600, 64, [0, 3, 300]),  # verification of 5 tokens, left padding; row 2's first chunk all hidden
     (2, 4, 4, 7, 19, 128, [1, 0]),  # multi-head, 128 dimensions, a context shorter than 8 positions past a block
     (1, 8, 1, 3, 40, 32, None),  # multi-query
