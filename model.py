@@ -1,6 +1,7 @@
 """A Llama-architecture decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU, and a
 static KV cache that is updated in place so torch.compile and CUDA graphs can replay every decode step."""
 import math
+import mmap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -179,6 +180,26 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype) -> Tensor:  # int8 [..., D]
     return (q.float().unflatten(-1, (scale.size(-1), -1)) * scale[..., None]).flatten(-2).to(dtype)
 
 
+def cache_zeros(shape: tuple, dtype: torch.dtype, device) -> Tensor:
+    """Zeros for the KV cache. On CPU, a cache tensor of 2 MB or more lies in 2 MB pages where Linux grants them
+    (transparent huge pages, asked for with madvise): a decode step reads the whole cache, and in 4 KB pages every
+    4 KB of it misses the TLB and stops the prefetchers (attention over 4096 positions x 22 layers from memory on a
+    Zen 4: 0.88x the time). Only whole 2 MB pages are asked for, so the tail takes no more memory than it holds."""
+    n = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or n < 2 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private anonymous memory reads as zeros (a shared mapping would be shmem, which THP leaves alone); the tensor
+    # keeps the mapping alive
+    buf = mmap.mmap(-1, n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    start = -t.data_ptr() % (2 << 20)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, n // (2 << 20) * (2 << 20))
+    except OSError:  # a kernel without transparent huge pages: 4 KB pages, as torch.zeros would give
+        pass
+    return t[start:start + n].view(dtype).view(shape)
+
+
 class KVCache(nn.Module):
     def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device):
         """dtype torch.int8: each position's key per head rounded to int8 with one float32 scale, its value with
@@ -187,8 +208,8 @@ class KVCache(nn.Module):
         # one spare slot, never read: attention reads a slice of the cache, and were a slice ever the whole buffer
         # it would be contiguous where the others are not, and torch.compile would compile that case again
         shape = (max_batch_size, n_kv_head, max_seq_length + 1, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k_cache", cache_zeros(shape, dtype, device), persistent=False)
+        self.register_buffer("v_cache", cache_zeros(shape, dtype, device), persistent=False)
         int8 = dtype == torch.int8
         self.register_buffer("k_scale", torch.zeros(*shape[:-1], 1, device=device) if int8 else None, persistent=False)
         blocks = head_dim // 32 if head_dim % 32 == 0 else 1

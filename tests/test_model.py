@@ -1,5 +1,7 @@
 """model.py against the reference implementation, Hugging Face transformers' LlamaForCausalLM."""
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ import torch
 from conftest import convert, save_hf_llama
 from checkpoint import load_model
 from generate import generate
-from model import ModelArgs, Transformer, kv_bucket, transformer_configs
+from model import ModelArgs, Transformer, cache_zeros, kv_bucket, transformer_configs
 
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=32)
@@ -84,6 +86,37 @@ def test_setup_caches_again_with_new_sizes_reallocates(pair, tokens):
     assert ours.freqs_cis.shape[0] == 64
     x = tokens[:, :40].repeat(2, 1)[:3]
     assert rel_err(ours(x, torch.arange(40)), ours(x)) < 1e-5
+
+
+@torch.no_grad()
+def test_decoding_through_a_cache_of_2_mb_or_more_matches_the_full_forward(pair, tokens):
+    # from 2 MB a CPU cache tensor is an anonymous mapping asked for 2 MB pages (cache_zeros), not torch's memory
+    _, ours = pair
+    B = -(-(2 << 20) // (ours.args.n_kv_head * (SEQ + 1) * ours.args.head_dim * 4))  # float32 rows that make 2 MB
+    ours.setup_caches(B, SEQ)
+    assert ours.layers[0].attention.kv_cache.v_cache.data_ptr() % (2 << 20) == 0  # the mapping, aligned to 2 MB
+    x, half = tokens.repeat(B, 1)[:B], SEQ // 2
+    steps = [ours(x[:, :half], torch.arange(half))]
+    steps += [ours(x[:, i : i + 1], torch.tensor([i])) for i in range(half, SEQ)]
+    assert rel_err(torch.cat(steps, dim=1), ours(x)) < 1e-5
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_a_cpu_cache_tensor_of_2_mb_or_more_gets_2_mb_pages():
+    t = cache_zeros((1, 4, 4097, 64), torch.bfloat16, "cpu")  # 2.0 MB and a tail
+    assert t.is_contiguous() and not t.any()
+    t.fill_(1)  # the first writes fault the pages in
+    start = t.data_ptr()
+    for mapping in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        lo, hi = (int(x, 16) for x in mapping.split()[0].split("-"))
+        if lo <= start < hi:
+            huge_kb = int(re.search(r"AnonHugePages:\s+(\d+) kB", mapping).group(1))
+            assert huge_kb == 2048  # the whole 2 MB page; the tail stays in 4 KB pages
+            return
+    raise AssertionError("no mapping holds the cache")
 
 
 @torch.no_grad()
