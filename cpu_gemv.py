@@ -1124,8 +1124,13 @@ static inline void raise_max(float* row, float m, int64_t D) {
 // the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same. A core with less L1 than a Zen 5's 48 KB
 // asks into L2 instead (KV_HINT, set by cpu_gemv.targets): on a Zen 4 (32 KB) a block's 8 KB of K and of V with the
 // next block's asked for did not fit, and with T1 the attention took 0.64-0.66x the time it took with T0 (over an
-// int8 cache, attend_chunk_int8, 0.71x).
-enum { KV_AHEAD = 4096 };
+// int8 cache, attend_chunk_int8, 0.71x). There, over a cache in 2 MB pages (model.cache_zeros), 7 KB ahead took
+// 0.91-0.97x the time of 4 KB (40-60 alternating rounds, memory fast and slow; 5 KB 0.93-0.95x, 6 KB 0.96-0.97x, 8 KB,
+// past the block, 1.07x), and the compiled int4 step's extra time at 4096 positions 0.92x (14 rounds): KV_AHEAD is
+// 7168 there (cpu_gemv.targets).
+#ifndef KV_AHEAD
+#define KV_AHEAD 4096
+#endif
 
 static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     uint32_t u;
@@ -1976,7 +1981,8 @@ def targets(flags: set[str]) -> list[tuple[str, str, list[str]]]:
         base = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
         extra = [f for f in ("avx512_bf16", "avx512_vnni") if f in flags]
         # less than 48 KB of L1 (a Zen 4): see KV_HINT in the attention, AHEAD_WEIGHTS by ahead(), AHEAD_BF16 by dot()
-        small_l1 = ["-DKV_HINT=_MM_HINT_T1", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"] if 0 < l1_data_kb() < 48 else []
+        small_l1 = ["-DKV_HINT=_MM_HINT_T1", "-DKV_AHEAD=7168", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"]
+        small_l1 = small_l1 if 0 < l1_data_kb() < 48 else []
         if extra:  # the plain AVX-512 set too, second: a test can run both
             out.append(("avx512+" + "+".join(f[7:] for f in extra), AVX512,
                         base + ["-m" + f.replace("_", "") for f in extra] + small_l1))

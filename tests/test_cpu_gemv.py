@@ -320,9 +320,10 @@ def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run(monke
             assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
 
 
-@pytest.mark.parametrize("flag", ["-DKV_HINT=_MM_HINT_T1", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"])
+@pytest.mark.parametrize("flag", ["-DKV_HINT=_MM_HINT_T1", "-DKV_AHEAD=7168", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"])
 def test_a_core_with_less_than_48_kb_of_l1_gets_its_own_prefetch_settings(monkeypatch, flag):
-    # the KV cache into L2, no int8/int4 weights asked for ahead, bf16 weights 4 KB ahead into L3 (see cpu_gemv)
+    # the KV cache into L2 and 7 KB ahead, no int8/int4 weights asked for ahead, bf16 weights 4 KB ahead into L3
+    # (see cpu_gemv)
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     hinted = lambda: [flag in flags for _, _, flags in cpu_gemv.targets(every)]  # noqa: E731
     monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)  # a Zen 4
