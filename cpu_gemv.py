@@ -1400,7 +1400,7 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
     // 1.08x the time from memory). With fewer rows the rest of the block is short, and these requests crowded the
     // ones it makes (on a Zen 5, when a pass over the scores of its own took the softmax: 6 rows 0.96-1.04x, 4 rows
     // 1.04x, 1 row 1.16x).
-    constexpr int64_t rest = BJ * D * 2 - KV_AHEAD, slots = BJ / 16 * 8;  // 16 positions x 8 rows a slot
+    constexpr int64_t rest = BJ * D * 2 - KV_AHEAD, slots = BJ / 16 * 8;  // a slot: one of 8 vectors of scores
     const int64_t per = R >= 8 ? (rest / 64 + slots - 1) / slots * 64 : 0;
     const float scale2 = scale * 1.44269504f;  // 2^(s log2(e)) = e^s
     for (int64_t b = lo; b < hi; b += BJ) {
@@ -1534,8 +1534,9 @@ static inline __m512i bcast4(const uint8_t* p) {  // four bytes, broadcast
 }
 
 // s[r][j] = qs[r] ks[j] q_r . k_j for RT rows of q + 128 (uint8, D apart, so that dpbusd's unsigned operand is q) and
-// n positions of int8 K (D apart), 16 positions at a time, K transposed in registers as in weights_bf16; the 128
-// sum(k_j) the offset adds is taken off, counted by one more dpbusd. Positions past n score -inf.
+// n positions of int8 K (D apart), 16 positions at a time, K transposed in registers (transpose16) so that one dpbusd
+// multiplies 4 dimensions of 16 positions by q's broadcast; the 128 sum(k_j) the offset adds is taken off, counted
+// by one more dpbusd. Positions past n score -inf.
 template <int D, int RT>
 static inline void qk_int8(const uint8_t* q, const float* qs, const int8_t* k, const float* ks, int64_t n, float* s,
                            int64_t ld, int64_t far, const int8_t* v) {
