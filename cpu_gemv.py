@@ -1277,8 +1277,6 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
     __m512 mv = _mm512_permutexvar_ps(row_of, _mm512_load_ps(mr));
     __m512 top = _mm512_mul_ps(_mm512_add_ps(mv, _mm512_set1_ps(8.f)), _mm512_set1_ps(iscale));
     for (int64_t j = 0; j < n; j += 16) {
-        if (far)
-            for (int i = 0; i < D / 2; i++) _mm_prefetch((const char*)(k + j * D) + far + 64 * i, KV_HINT);
         const uint16_t* kb = k + j * D;
         if (n - j < 16) {
             memcpy(tail, kb, (n - j) * D * 2);
@@ -1289,6 +1287,10 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int g = 0; g < D / 2 / E; g++) {
             const __m512i qg = _mm512_loadu_si512(qv + 16 * g);
+            // the requests for K spread over the products: all 16 positions' at once took 1.03-1.05x the time over a
+            // cache in 2 MB pages, from memory and from L3 (Zen 4, 30-40 alternating rounds)
+            if (far)
+                for (int e = 0; e < E; e++) _mm_prefetch((const char*)(k + j * D) + far + 64 * (g * E + e), KV_HINT);
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) acc[i] = dp(acc[i], kpairs<E>(kb + i * D + 2 * E * g), qg);
         }
