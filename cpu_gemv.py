@@ -1265,7 +1265,7 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
                                 int64_t r0, int64_t S, int64_t L, float* part, __m256& sums, uint16_t* w,
                                 int64_t far, const char* const* next, int64_t per) {
     constexpr int P = padded(RT), E = 16 / P;
-    constexpr __mmask16 rows = RT * E == 16 ? 0xffff : (1u << (RT * E)) - 1;  // the lanes of rows, not padding
+    constexpr __mmask16 rows = (1u << (RT * E)) - 1;  // the lanes of rows, not padding
     static thread_local uint16_t tail[16 * D];  // the last positions, then zeros: no reads past n
     const __m512i row_of = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              __builtin_ctz(E));
@@ -1424,7 +1424,6 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
     }
 }
 #endif
-
 
 // Inside a parallel region: out [B, H, S, D] bf16 from the chunks' parts, each row's chunks weighted by e^(m_c - max m);
 // slot(D, d): where the parts keep dimension d
