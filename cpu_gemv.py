@@ -1065,21 +1065,27 @@ static inline void transpose16(__m512i* r) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-// e^x to about 4e-5 (a degree-4 polynomial): the attention's weights are rounded to 8 bits after it (bf16, or
-// uint8 over an int8 cache), so a closer e^x changes nothing they keep (the degree-6 one the bf16 kernel had took
-// 1.03x the time over 4096 positions x 22 layers, Zen 4). 0 below -87 (masked positions, -inf, among them): no
-// subnormals, which are slow.
-static inline __m512 exp16_rough(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 24), r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+// 2^x to about 1.2e-4 in the lanes keep sets, 0 in the others and for x <= -125: x rounded to sixteenths by adding
+// GRID, 2^(i/16) looked up in registers, and a line for 2^r on |r| <= 1/32. One FMA where a degree-3 polynomial took
+// three, besides a max, a roundscale and a scalef: FMAs wait on the units dpbf16 runs on (the bf16 attention over
+// 4096 positions x 22 layers, Zen 4: 0.98x the time from L3). The attention's weights are rounded to 8 bits after
+// it (bf16, a step of 4e-3, or uint8 over an int8 cache), so a closer 2^x changes nothing they keep.
+static constexpr float GRID = 786432.f;  // 1.5 x 2^19: sums near it are rounded to sixteenths
+static inline __m512 exp2_grid(__m512 x, __mmask16 keep) {
+    const __m512 t = _mm512_add_ps(x, _mm512_set1_ps(GRID));  // i / 16 in its low mantissa bits, over 2^18 + n
+    keep = _mm512_mask_cmp_ps_mask(keep, x, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
+    const __m512 r = _mm512_sub_ps(x, _mm512_sub_ps(t, _mm512_set1_ps(GRID)));
+    const __m512i ti = _mm512_castps_si512(t);
+    // a + b r: 2^r on |r| <= 1/32 (minimax relative error), times 2^(i/16)
+    const __m512 a = _mm512_setr_ps(1.000117f, 1.044396f, 1.0906353f, 1.1389219f, 1.1893463f, 1.2420031f,
+                                    1.2969913f, 1.354414f, 1.414379f, 1.4769989f, 1.5423913f, 1.6106788f,
+                                    1.6819896f, 1.7564576f, 1.8342227f, 1.9154306f);
+    const __m512 b = _mm512_setr_ps(0.69312f, 0.72380704f, 0.75585272f, 0.78931718f, 0.82426324f, 0.86075649f,
+                                    0.89886543f, 0.9386616f, 0.9802197f, 1.0236177f, 1.0689372f, 1.1162631f,
+                                    1.1656842f, 1.2172935f, 1.2711877f, 1.327468f);
+    const __m512 p = _mm512_fmadd_ps(_mm512_permutexvar_ps(ti, b), r, _mm512_permutexvar_ps(ti, a));
+    const __m512i e = _mm512_and_si512(_mm512_slli_epi32(ti, 19), _mm512_set1_epi32(0xff800000));
+    return _mm512_castsi512_ps(_mm512_maskz_add_epi32(keep, _mm512_castps_si512(p), e));
 }
 
 
@@ -1200,28 +1206,6 @@ static inline __m512 fold_all(__m512* x) {
     if constexpr (E >= 4)
         for (int t = 0; t < 2; t++) x[t] = fold<2>(x[t], x[t + 2]);
     return E >= 2 ? fold<1>(x[0], x[1]) : x[0];
-}
-
-// 2^x to about 1.2e-4 in the lanes keep sets, 0 in the others and for x <= -125: x rounded to sixteenths by adding
-// GRID, 2^(i/16) looked up in registers, and a line for 2^r on |r| <= 1/32. One FMA where a degree-3 polynomial took
-// three, besides a max, a roundscale and a scalef: FMAs wait on the units dpbf16 runs on (the attention over 4096
-// positions x 22 layers, Zen 4: 0.98x the time from L3). The weights are rounded to bf16 after it, a step of 4e-3.
-static constexpr float GRID = 786432.f;  // 1.5 x 2^19: sums near it are rounded to sixteenths
-static inline __m512 exp2_grid(__m512 x, __mmask16 keep) {
-    const __m512 t = _mm512_add_ps(x, _mm512_set1_ps(GRID));  // i / 16 in its low mantissa bits, over 2^18 + n
-    keep = _mm512_mask_cmp_ps_mask(keep, x, _mm512_set1_ps(-125.f), _CMP_GT_OQ);
-    const __m512 r = _mm512_sub_ps(x, _mm512_sub_ps(t, _mm512_set1_ps(GRID)));
-    const __m512i ti = _mm512_castps_si512(t);
-    // a + b r: 2^r on |r| <= 1/32 (minimax relative error), times 2^(i/16)
-    const __m512 a = _mm512_setr_ps(1.000117f, 1.044396f, 1.0906353f, 1.1389219f, 1.1893463f, 1.2420031f,
-                                    1.2969913f, 1.354414f, 1.414379f, 1.4769989f, 1.5423913f, 1.6106788f,
-                                    1.6819896f, 1.7564576f, 1.8342227f, 1.9154306f);
-    const __m512 b = _mm512_setr_ps(0.69312f, 0.72380704f, 0.75585272f, 0.78931718f, 0.82426324f, 0.86075649f,
-                                    0.89886543f, 0.9386616f, 0.9802197f, 1.0236177f, 1.0689372f, 1.1162631f,
-                                    1.1656842f, 1.2172935f, 1.2711877f, 1.327468f);
-    const __m512 p = _mm512_fmadd_ps(_mm512_permutexvar_ps(ti, b), r, _mm512_permutexvar_ps(ti, a));
-    const __m512i e = _mm512_and_si512(_mm512_slli_epi32(ti, 19), _mm512_set1_epi32(0xff800000));
-    return _mm512_castsi512_ps(_mm512_maskz_add_epi32(keep, _mm512_castps_si512(p), e));
 }
 
 // Rows of the scores s (lanes as weights_bf16's) whose maximum mr[r] (log2 units) a seen score passes by more than
@@ -1682,10 +1666,10 @@ static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k
             // as it comes out, in one pass, and e^(bm - m) goes into the scale pv_int8 multiplies by
             const float e = expf(bm - m);
             for (int64_t c = 0; c < NC; c++) pw[c * R + r] = e * vtop[c] / 255.f;
-            const __m512 m16 = _mm512_set1_ps(bm);
+            const __m512 l2e = _mm512_set1_ps(1.44269504f), m16 = _mm512_set1_ps(bm * 1.44269504f);  // 2^x units
             __m512 sum = _mm512_setzero_ps();
             for (int64_t j = 0; j < BJ; j += 16) {
-                __m512 p = exp16_rough(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+                __m512 p = exp2_grid(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), l2e, m16), 0xffff);
                 sum = _mm512_add_ps(sum, p);
                 for (int64_t c = 0; c < NC; c++) {
                     __m512 w = _mm512_mul_ps(p, _mm512_loadu_ps(&vsb[c * BJ + j]));

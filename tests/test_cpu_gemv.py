@@ -411,7 +411,7 @@ def in_a_longer_cache(q: torch.Tensor, scale: torch.Tensor, spare: int):  # [B, 
 ])
 def test_attention_over_an_int8_cache_stays_near_exact(kernels, B, H, Hkv, S, L, D, pad):
     # with AVX512-VNNI the kernel also rounds q to int8 per row and the weights to 8 bits per block of positions:
-    # 0.8-1.3% here, where random keys spread the weights evenly (the worst case for 8 bits); without VNNI it widens
+    # 0.8-1.4% here, where random keys spread the weights evenly (the worst case for 8 bits); without VNNI it widens
     # K and V to fp32 and only its bf16 output rounds, as when 32 dimensions are dequantized for the bf16 kernel
     torch.manual_seed(0)
     q, k, v, mask = attention_case(B, H, Hkv, S, L, D, pad, cache=L + 50)
