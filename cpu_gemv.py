@@ -143,8 +143,10 @@ static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_
 // prefetcher alone.) On a Zen 4 (AVX-512, 32 KB of L1, one 512-bit load a cycle) the int8 and int4 products are
 // short of loads, and a prefetch takes one: with it they ran at 0.86x their speed from L2, and from memory the 1.1B
 // shape's products read 1.14x (int8) and 1.2x (int4) as fast from the hardware prefetcher alone (no distance or
-// hint, T0 to NTA, 256 B to 32 KB, did better), its decode step 1.04x and 1.06x as fast with memory slow. So
-// AHEAD_WEIGHTS 0 turns ahead() off there (cpu_gemv.targets: cores with less than 48 KB of L1, as for KV_HINT).
+// hint, T0 to NTA, 256 B to 32 KB, did better), its decode step 1.04x and 1.06x as fast with memory slow. With memory
+// fast too: asked for 2 KB (NTA), 4 KB (T0) or 8 KB (NTA) ahead, TinyLlama's int4 products read 0.82-0.89x as fast
+// (99 rounds with the read probe over 45 GB/s; 0.90-0.95x in 401 slower ones). So AHEAD_WEIGHTS 0 turns ahead() off
+// there (cpu_gemv.targets: cores with less than 48 KB of L1, as for KV_HINT).
 #ifdef __AVX512F__
 enum { AHEAD = 8192, AHEAD4 = 8192 };
 #else
