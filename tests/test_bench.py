@@ -5,7 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from checkpoint import huge_pages
+from test_checkpoint import mapping_of
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench import probe_ones  # noqa: E402
 
 
 def test_bench_speculative_quick_runs_every_row_and_writes_json(tmp_path):
@@ -31,3 +39,11 @@ def test_bench_guided_pairs_each_run_with_a_guided_one(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["guided_tok_s"] > 0 and row["guided_mask_steps_s"] > 0 and 0 < row["guided_forced"] < 1
     assert "guided steps/s, no fast-forward" in result.stdout
+
+
+@pytest.mark.skipif(not huge_pages(), reason="this Linux gives no transparent huge pages")
+def test_the_memory_probe_reads_memory_that_asks_for_huge_pages_as_the_weights_do():
+    ones = probe_ones(1 / 256, torch.device("cpu"))  # 4 MiB
+    assert ones.dtype == torch.float32 and ones.numel() == 2**20 and bool((ones == 1).all())
+    place, flags = mapping_of(ones.data_ptr())
+    assert place == "" and "hg" in flags  # anonymous memory, madvised for 2 MB pages
