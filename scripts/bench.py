@@ -73,8 +73,11 @@ def probe_ones(gib: float, device) -> torch.Tensor:
     n = int(gib * 2**30) // 4
     if device.type != "cpu" or not huge_pages():
         return torch.ones(n, device=device)
-    block = mmap.mmap(-1, 4 * n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        block = mmap.mmap(-1, 4 * n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        block.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # no room for the mapping (a memory limit): where the weights stayed in place too
+        return torch.ones(n, device=device)
     memory = torch.frombuffer(block, dtype=torch.uint8)  # the tensor keeps the mapping; dropping it unmaps
     start = -memory.data_ptr() % (2 << 20)
     return memory[start:start + 4 * n].view(torch.float32).fill_(1.0)
