@@ -47,3 +47,13 @@ def test_the_memory_probe_reads_memory_that_asks_for_huge_pages_as_the_weights_d
     assert ones.dtype == torch.float32 and ones.numel() == 2**20 and bool((ones == 1).all())
     place, flags = mapping_of(ones.data_ptr())
     assert place == "" and "hg" in flags  # anonymous memory, madvised for 2 MB pages
+
+
+def test_the_memory_probe_is_plain_memory_when_no_block_can_be_mapped(monkeypatch):
+    import bench
+
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(bench.mmap, "mmap", no_memory)
+    ones = probe_ones(1 / 256, torch.device("cpu"))
+    assert ones.numel() == 2**20 and bool((ones == 1).all())
