@@ -311,6 +311,21 @@ def huge_pages() -> bool:
         return False
 
 
+def huge_page_block(nbytes: int) -> Optional[torch.Tensor]:  # -> [nbytes] uint8
+    """nbytes of anonymous memory that asks for 2 MB pages, starting on a 2 MB boundary; the tensor keeps the
+    mapping alive (views of it too). None where Linux gives no huge pages or the mapping does not fit."""
+    if not huge_pages():
+        return None
+    try:
+        block = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        block.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a memory limit
+        return None
+    memory = torch.frombuffer(block, dtype=torch.uint8)
+    start = -memory.data_ptr() % (2 << 20)
+    return memory[start:start + nbytes]
+
+
 def into_huge_pages(model: nn.Module):
     """Every CPU weight moved into one anonymous block that asks for 2 MB pages. Decoding reads all the weights
     every step; in the memory-mapped file they sit in 4 KB pages of the page cache, a TLB miss every 4 KB. A 1.1B
@@ -319,16 +334,11 @@ def into_huge_pages(model: nn.Module):
     slots = [(m, kind, name) for m in model.modules() for kind in ("_parameters", "_buffers")
              for name, t in getattr(m, kind).items()
              if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.nbytes]
-    if not huge_pages() or not slots:
-        return
     sizes = {id(t): -(-t.nbytes // ALIGN) * ALIGN for m, kind, name in slots for t in [getattr(m, kind)[name]]}
-    try:
-        block = mmap.mmap(-1, sum(sizes.values()) + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        block.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # no room for a second mapping (a memory limit): the weights stay in the file's pages
+    memory = huge_page_block(sum(sizes.values())) if slots else None
+    if memory is None:  # no huge pages, or no room for a second mapping: the weights stay in the file's pages
         return
-    memory = torch.frombuffer(block, dtype=torch.uint8)  # keeps the block alive as long as any weight in it
-    offset, moved = -memory.data_ptr() % (2 << 20), {}  # pages start on 2 MB boundaries
+    offset, moved = 0, {}
     for m, kind, name in slots:
         t = getattr(m, kind)[name]
         if id(t) not in moved:  # a tied head shares the embedding's tensor: one copy for both

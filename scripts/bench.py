@@ -13,7 +13,6 @@ same random checkpoint in this project and in llama.cpp (see scripts/llama_cpp.p
 import argparse
 import itertools
 import json
-import mmap
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import cuda_gemv  # noqa: E402
 from bench_quantize import random_checkpoint  # noqa: E402
 import guided  # noqa: E402
 import llama_cpp  # noqa: E402
-from checkpoint import huge_pages, load_model, load_tokenizer, read_config  # noqa: E402
+from checkpoint import huge_page_block, load_model, load_tokenizer, read_config  # noqa: E402
 from generate import (DEFAULT_CHECKPOINT, build_steps, device_sync, generate, peak_memory_gb,  # noqa: E402
                       resolve_device, weight_bytes)
 from model import transformer_configs  # noqa: E402
@@ -71,16 +70,8 @@ def probe_ones(gib: float, device) -> torch.Tensor:
     (checkpoint.into_huge_pages): in 4 KB pages a 1 GiB sum read 49-54 GB/s where one in 2 MB pages read 57-66, in
     the same minutes (2-core Zen 4 VM, fast memory), so a probe in 4 KB pages overstates our % of read."""
     n = int(gib * 2**30) // 4
-    if device.type != "cpu" or not huge_pages():
-        return torch.ones(n, device=device)
-    try:
-        block = mmap.mmap(-1, 4 * n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        block.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # no room for the mapping (a memory limit): where the weights stayed in place too
-        return torch.ones(n, device=device)
-    memory = torch.frombuffer(block, dtype=torch.uint8)  # the tensor keeps the mapping; dropping it unmaps
-    start = -memory.data_ptr() % (2 << 20)
-    return memory[start:start + 4 * n].view(torch.float32).fill_(1.0)
+    memory = huge_page_block(4 * n) if device.type == "cpu" else None
+    return torch.ones(n, device=device) if memory is None else memory.view(torch.float32).fill_(1.0)
 
 
 def copy_bandwidth(device, gib: float) -> float:

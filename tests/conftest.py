@@ -3,6 +3,8 @@ import base64
 import io
 import os
 import random
+import re
+from pathlib import Path
 
 import pytest
 import sentencepiece as spm
@@ -95,6 +97,19 @@ def errors_of(stderr: str) -> list[str]:
     """stderr's lines less warnings (a busy machine adds one about threads) and blank lines (Ctrl-C's message starts
     on a fresh line after the text): what bad input must reduce to one."""
     return [line for line in stderr.splitlines() if line.strip() and not line.startswith("warning:")]
+
+
+def mapping_of(address: int) -> tuple[str, list[str]]:
+    """The file behind the memory that holds address ("" for anonymous memory) and its VmFlags, from smaps."""
+    found = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            fields = line.split()
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            found = (fields[5] if len(fields) > 5 else "") if lo <= address < hi else None
+        elif line.startswith("VmFlags:") and found is not None:
+            return found, line.split()[1:]
+    raise AssertionError(f"{address:#x} is in no mapping")
 
 
 # ---- a tokenizer.json model folder, as Hugging Face repos ship them -----------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint import huge_pages
-from test_checkpoint import mapping_of
+from conftest import mapping_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -49,11 +49,12 @@ def test_the_memory_probe_reads_memory_that_asks_for_huge_pages_as_the_weights_d
     assert place == "" and "hg" in flags  # anonymous memory, madvised for 2 MB pages
 
 
+@pytest.mark.skipif(not huge_pages(), reason="this Linux gives no transparent huge pages")
 def test_the_memory_probe_is_plain_memory_when_no_block_can_be_mapped(monkeypatch):
-    import bench
+    import checkpoint
 
     def no_memory(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
-    monkeypatch.setattr(bench.mmap, "mmap", no_memory)
+    monkeypatch.setattr(checkpoint.mmap, "mmap", no_memory)
     ones = probe_ones(1 / 256, torch.device("cpu"))
     assert ones.numel() == 2**20 and bool((ones == 1).all())

@@ -1,7 +1,6 @@
 """checkpoint.py: the one reader and writer of native checkpoints. Every tensor it hands out is 64-byte aligned,
 whoever wrote the file, and writing never loses a file that was there."""
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from checkpoint import huge_pages, into_huge_pages, load_model, read_checkpoint, save
+from conftest import mapping_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,17 +59,6 @@ def test_every_parameter_and_buffer_is_64_byte_aligned_after_load(checkpoint, tm
     assert [n for n, t in tensors if t.data_ptr() % 64] == []
 
 
-def mapping_of(address: int) -> tuple[str, list[str]]:
-    """The file behind the memory that holds address ("" for anonymous memory) and its VmFlags, from smaps."""
-    found = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-            fields = line.split()
-            lo, hi = (int(a, 16) for a in fields[0].split("-"))
-            found = (fields[5] if len(fields) > 5 else "") if lo <= address < hi else None
-        elif line.startswith("VmFlags:") and found is not None:
-            return found, line.split()[1:]
-    raise AssertionError(f"{address:#x} is in no mapping")
 
 
 @pytest.mark.skipif(not huge_pages(), reason="this Linux gives no transparent huge pages")
