@@ -383,15 +383,25 @@ static inline __m512i dot128(__m512i a, const uint8_t* w, const int8_t* x) {
     return _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), _mm512_loadu_si512(x + 64));
 }
 
-// n <= 8 groups' (G 64 or more) products in 512-bit steps, added to acc: each step's 16 int32 sums converted and
-// scaled where they lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's), with no horizontal
-// sums. Summing each group's lanes first, then scaling 8 groups at once, read the weights from memory at 0.80-0.89x
-// the speed with G 64 and 0.93-0.99x with G 128 (Zen 4, two cores, memory fast; TinyLlama's int4 g64 decode step
-// took 1.18x the time). sd: the 8 groups' scale x d.
+// n <= 8 groups' products in 512-bit steps, added to acc: each step's 16 int32 sums converted and scaled where they
+// lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's; G 32: four lanes a group), with no
+// horizontal sums. Summing each group's lanes first, then scaling 8 groups at once, read the weights from memory at
+// 0.80-0.89x the speed with G 64 and 0.93-0.99x with G 128 (Zen 4, two cores, memory fast; TinyLlama's int4 g64
+// decode step took 1.18x the time). G 32 (GGUF's Q4_0 and Q4_1) had 256-bit steps of two groups: 0.65x the speed
+// from L2 (one core), and TinyLlama's Q4_0 step took 1.2x the time with memory fast, 1.0-1.15x slow. sd: the 8
+// groups' scale x d.
 template <int G>
 static inline __m512 group_products_wide(const uint8_t* w, const int8_t* x, int n, __m256 sd, __m512 acc) {
     const __m512 s = _mm512_castps256_ps512(sd);
-    if (G == 64)  // a step holds two groups, one in each half
+    if (G == 32)  // a step holds four groups, a quarter each
+        for (int i = 0; i < n; i += 4) {
+            ahead(w + 16 * i, AHEAD4);
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i),
+                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 16 * i, x + 32 * i)),
+                                  _mm512_permutexvar_ps(pick, s), acc);
+        }
+    else if (G == 64)  // a step holds two groups, one in each half
         for (int i = 0; i < n; i += 2) {
             ahead(w + 32 * i, AHEAD4);
             const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
@@ -469,7 +479,7 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
             rest = _mm256_add_ps(rest, _mm256_setr_ps(r, 0, 0, 0, 0, 0, 0, 0));
         }
 #ifdef __AVX512VNNI__
-        if (G == 32) {  // two groups a 32-byte step: int32 lanes 0-3 are the first group's, 4-7 the second's
+        if (G == 32 && !wide) {  // two groups a 32-byte step: int32 lanes 0-3 are the first group's, 4-7 the second's
             alignas(32) float f[8];
             _mm256_store_ps(f, sd);
             for (int64_t g = g0; g < groups && g < g0 + 8; g += 2) {
@@ -740,7 +750,7 @@ extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* s
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ>& xq = xq_;
     xq.resize(M);
-    const bool wide = WIDE && M == 1 && G >= 64 && K % 128 == 0;
+    const bool wide = WIDE && M == 1 && K % 128 == 0;
     #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, wide ? 128 : 64, xq[m]);
     if (M > 1) {
@@ -748,7 +758,7 @@ extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* s
         else if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
         else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
-    } else if (G == 32) gemv_i4<32, false>(xq[0], w, scales, zeros, y, N, K, f32);
+    } else if (G == 32) (wide ? gemv_i4<32, true> : gemv_i4<32, false>)(xq[0], w, scales, zeros, y, N, K, f32);
     else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq[0], w, scales, zeros, y, N, K, f32);
     else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq[0], w, scales, zeros, y, N, K, f32);
     else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq[0], w, scales, zeros, y, N, K, f32);
