@@ -16,6 +16,7 @@ from conftest import errors_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench import memory_changed, round_plan  # noqa: E402
 from convert_gguf import convert_gguf  # noqa: E402
 from llama_cpp import llama_bench, write_gguf  # noqa: E402
 
@@ -82,13 +83,27 @@ def test_bench_peer_alternates_rounds_and_reports_each_ratio(peer_run):
     assert row["llama_decode"] == 50.0 and row["llama_prefill"] == 100.0 and row["llama_depth_decode"] == 40.0
     ours = sorted(a["decode"] for a, _ in row["rounds"])
     assert row["decode_ratio"] == pytest.approx(sum(ours) / 2 / 50.0) and row["decode_ratio"] > 0
-    assert row["depth_decode"] > 0 and len(row["read_rounds_gb_s"]) == 2  # the memory measured in each round
+    # the memory measured in each round, before and after our decode
+    assert row["depth_decode"] > 0 and [len(probes) for probes in row["read_rounds_gb_s"]] == [2, 2]
     kept = sorted(100 * a["depth_decode"] / a["decode"] for a, _ in row["rounds"])
     assert row["depth_kept"] == pytest.approx(sum(kept) / 2)  # the median of the rounds' own ratios
-    pct = [100 * row["weight_bytes"] * a["decode"] / (r * 1e9) for (a, _), r in zip(row["rounds"],
-                                                                                   row["read_rounds_gb_s"])]
+    pct = [100 * row["weight_bytes"] * a["decode"] / (sum(probes) / 2 * 1e9)
+           for (a, _), probes in zip(row["rounds"], row["read_rounds_gb_s"])]
     assert row["pct_read"] == pytest.approx(sum(pct) / 2) and row["pct_read"] > 0
+    assert row["memory_changed_rounds"] == [i for i, p in enumerate(row["read_rounds_gb_s"]) if max(p) > 1.25 * min(p)]
     assert "| int8, KV int8 | Q8_0, KV Q8_0 | idle |" in stdout
+
+
+def test_our_short_decode_runs_between_two_read_probes_in_either_order():
+    for mirrored in (False, True):
+        plan = round_plan(True, mirrored)
+        i = plan.index(("ours", "decode"))
+        assert plan[i - 1] == plan[i + 1] == ("read", "") and plan.count(("read", "")) == 2
+
+
+def test_a_round_whose_probes_differ_by_over_a_quarter_is_marked_as_the_memory_changing():
+    assert memory_changed([33e9, 60e9]) and memory_changed([60e9, 47e9])
+    assert not memory_changed([60e9, 49e9]) and not memory_changed([35e9, 35e9])
 
 
 def test_bench_peer_runs_each_measurement_beside_the_other_sides_and_mirrors_every_other_round(peer_run):
