@@ -333,7 +333,8 @@ static inline __m256 dot_i8(const XQ& p, const int8_t* w, int64_t K) {
             wacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, d), wacc);
         }
     }
-    total = _mm256_add_ps(_mm512_castps512_ps256(wacc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc), 1)));
+    total = _mm256_add_ps(_mm512_castps512_ps256(wacc),
+                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc), 1)));
     if (k < K) {  // the last blocks, fewer than 8 (d is 0 past the last)
         __m256i acc[8];
         for (int i = 0; i < 8; i++) {
