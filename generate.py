@@ -1,6 +1,7 @@
 """Generate text: prefill the static KV cache with the prompt, then decode one token per step.
 The decode step is small and shape-static within a cache-length bucket, so torch.compile (mode="reduce-overhead")
-turns it into a CUDA graph that replays every step; on a CPU, into C++ kernels called from a C++ wrapper."""
+turns it into a CUDA graph that replays every step; on a CPU, into C++ kernels called from a C++ wrapper, or for a
+batch of one, cpu_step.py's step: the whole forward as one C++ call."""
 import argparse
 import json
 import resource
@@ -15,6 +16,7 @@ import torch
 import checkpoint
 import cli
 import cpu_gemv
+import cpu_step
 import cuda_gemv
 import guided
 from checkpoint import load_model
@@ -157,10 +159,22 @@ class Steps:
     pick: Callable = pick
 
 
+def cpu_or(compiled: Callable) -> Callable:
+    """decode_one_token as one C++ call (cpu_step.py) for a batch-1 step of a CPU model that step runs exactly
+    (without torch.compile's fixed cost per step, see there); anything else through compiled."""
+    def decode(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]
+        cpu = cpu_step.step(model) if cur.shape == (1, 1) and left_pad is None and cur.device.type == "cpu" else None
+        if cpu is None:
+            return compiled(model, cur, input_pos, left_pad, kv_len, **sampling)
+        return sample(cpu(cur, input_pos), **sampling)
+    return decode
+
+
 def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
     step = compile_step if compile else (lambda f: f)  # torch.compile is lazy: unused steps cost nothing
     first = compile_prefill if compile_prefill_too else (lambda f: f)
-    return Steps(first(prefill), step(decode_one_token), first(decode_logits), step(decode_logits), step(pick))
+    decode = cpu_or(step(decode_one_token)) if compile else decode_one_token
+    return Steps(first(prefill), decode, first(decode_logits), step(decode_logits), step(pick))
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -469,7 +483,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: this CPU's decode "
                    "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
     p.add_argument("--compile", action="store_true", help='compile the decode step (fullgraph): CUDA graphs on a GPU '
-                   '(mode="reduce-overhead"), a C++ wrapper on a CPU; the compile time is reported apart')
+                   '(mode="reduce-overhead"); on a CPU, batch-1 decoding as one C++ call on the kernels '
+                   '(cpu_step.py), anything else through a C++ wrapper; the compile time is reported apart')
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill, with dynamic shapes "
                    "(one compilation serves every prompt length)")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="KV cache length (default: longest prompt + "

@@ -1,0 +1,135 @@
+"""cpu_step.py: the batch-1 decode step as one C++ call gives model.py's logits on the same kernels, for every
+weight kind, cache kind and attention variant it takes; generate's compiled decoding runs it and gives eager's
+tokens; what it cannot run exactly goes to the compiled step."""
+import pytest
+import torch
+
+import cpu_gemv
+import cpu_step
+import generate as gen
+import quantize
+from checkpoint import load_model
+from generate import DEFAULT_CHECKPOINT, generate
+from model import ModelArgs, Transformer
+
+pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():  # the products and the attention split their work between threads, as decode runs them
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(mode: str = "bf16", kv=None, **kw) -> Transformer:
+    """A random 2-layer model with weights of kind mode, on this CPU's kernels, its cache set up."""
+    torch.manual_seed(0)
+    args = ModelArgs(**{**dict(vocab_size=320, n_layer=2, n_head=4, n_kv_head=2, dim=256, intermediate_size=512,
+                                block_size=256), **kw})
+    state = Transformer(args).state_dict()
+    if args.qkv_bias:
+        state = {k: torch.randn_like(v) / 4 if k.endswith("bqkv") else v for k, v in state.items()}
+    model = Transformer(args)
+    if mode == "bf16":
+        state = {k: v.bfloat16() for k, v in state.items()}
+    else:
+        ref = Transformer(args)
+        ref.load_state_dict(state)
+        state = quantize.quantized_state(ref, mode, 32)
+        quantize.install(model, mode, 32)
+    model.load_state_dict(state, assign=True)
+    cpu_gemv.install(model.eval())
+    model.setup_caches(1, 256, kv)
+    return model
+
+
+@torch.inference_mode()
+def logits_both_ways(model: Transformer, prompt_len: int = 9, steps: int = 3) -> list[tuple[torch.Tensor, ...]]:
+    """(model.py's logits, the C++ step's) for `steps` decode steps after a random prompt, each fed its argmax."""
+    prompt = torch.randint(0, model.args.vocab_size, (1, prompt_len))
+    model(prompt, torch.arange(prompt_len), kv_len=model.max_seq_length)
+    step, out, cur = cpu_step.step(model), [], torch.tensor([[5]])
+    assert step is not None
+    for pos in range(prompt_len, prompt_len + steps):
+        ref = model(cur, torch.tensor([pos]))[:, -1].float()  # writes the slot, which the step then writes again
+        got = step(cur, torch.tensor([pos]))
+        out.append((ref, got))
+        cur = ref.argmax(-1, keepdim=True)
+    return out
+
+
+def close(ref: torch.Tensor, got: torch.Tensor) -> bool:
+    # bf16 activations round at the same points, but RoPE, the norms' sums and SiLU in another order
+    return ((got - ref).norm() / ref.norm()).item() < 1e-2 and torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
+def test_the_step_gives_model_py_logits_for_each_weight_kind(mode):
+    assert all(close(ref, got) for ref, got in logits_both_ways(tiny(mode)))
+
+
+def test_the_step_gives_model_py_logits_over_an_int8_cache():
+    assert all(close(ref, got) for ref, got in logits_both_ways(tiny("int4", kv=torch.int8)))
+
+
+@pytest.mark.parametrize("kv", [None, torch.int8])
+def test_a_sliding_window_hides_the_old_positions_as_model_py_does(kv):
+    # 9 prompt positions and a window of 4: the steps attend to the last 4 slots only
+    model = tiny(sliding_window=4, kv=kv)
+    assert all(close(ref, got) for ref, got in logits_both_ways(model))
+
+
+def test_q_k_v_biases_and_one_kv_head_are_taken_as_model_py_takes_them():
+    assert all(close(ref, got) for ref, got in logits_both_ways(tiny("int8", qkv_bias=True, n_kv_head=1)))
+
+
+def test_compiled_decoding_runs_the_step_and_gives_eager_tokens(monkeypatch):
+    model = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
+    prompts = [[1, 40, 41, 42], [1, 99, 7, 8, 9, 10, 11, 12, 13]]
+    eager = [generate(model, [p], 40, temperature=0.0).rows[0] for p in prompts]
+    calls = []
+    run = cpu_step.Step.__call__
+    monkeypatch.setattr(cpu_step.Step, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    steps = gen.build_steps(compile=True)
+    assert [generate(model, [p], 40, steps=steps, temperature=0.0).rows[0] for p in prompts] == eager
+    assert len(calls) == 2 * 39  # every token after prefill's
+
+
+def test_batches_and_models_the_step_cannot_run_take_the_compiled_step(monkeypatch):
+    model = tiny()
+    compiled = []
+    decode = gen.cpu_or(lambda *a, **kw: compiled.append(1) or gen.decode_one_token(*a, **kw))
+    pos = torch.tensor([0])
+    with torch.inference_mode():
+        decode(model, torch.tensor([[3]]), pos, None, 256, temperature=0)
+        assert compiled == []
+        model.setup_caches(2, 256)
+        decode(model, torch.tensor([[3], [4]]), pos, None, 256, temperature=0)  # a batch
+        assert compiled == [1]
+        model.setup_caches(1, 256)
+        decode(model, torch.tensor([[3]]), pos, torch.tensor([0]), 256, temperature=0)  # left padding
+        assert compiled == [1, 1]
+    assert cpu_step.step(load_model(DEFAULT_CHECKPOINT, "cpu", torch.float32)) is None  # float32
+    assert cpu_step.step(load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16, "off")) is None  # torch's kernels
+    model.layers[1].attention.wo.register_forward_hook(lambda *a: None)  # e.g. tensor parallelism's all-reduce
+    assert cpu_step.step(model) is None
+
+
+def test_a_new_cache_gets_a_step_that_writes_into_it():
+    model = tiny()
+    first = cpu_step.step(model)
+    assert cpu_step.step(model) is first  # kept while nothing changed
+    model.setup_caches(1, 128)
+    assert cpu_step.step(model) is not first
+    assert all(close(ref, got) for ref, got in logits_both_ways(model))
+
+
+def test_a_token_or_position_outside_the_model_is_an_error_not_a_read_out_of_bounds():
+    model = tiny()
+    step = cpu_step.step(model)
+    with pytest.raises(ValueError, match="outside the model"):
+        step(torch.tensor([[320]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="outside the model"):
+        step(torch.tensor([[3]]), torch.tensor([256]))
