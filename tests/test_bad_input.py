@@ -116,6 +116,7 @@ GEN, QUANT, CONVERT, EVAL, SPEC = ("generate.py", "scripts/quantize_checkpoint.p
 GGUF = "scripts/convert_gguf.py"
 TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "scripts/bench_quantize.py",
                                   "scripts/bench_speculative.py")
+BENCH_C = "scripts/bench_cpu_step.py"
 N = ("--max_new_tokens", 4)
 
 # id: (script, lambda tmp, ckpt, sp -> args, a word the one line must contain)
@@ -269,6 +270,10 @@ ROWS = {
     "bench_speculative_plot_onto_a_users_file": (BENCH_S, lambda t, c, s: ["--json",
                                                                            user_folder(t, "r.png") / "r.json"],
                                                  "not an earlier output"),
+    "bench_cpu_step_no_checkpoint": (BENCH_C, lambda t, c, s: ["--checkpoint_path", t / "none"], "no checkpoint"),
+    "bench_cpu_step_rounds_zero": (BENCH_C, lambda t, c, s: ["--rounds", 0], "--rounds"),
+    "bench_cpu_step_json_onto_a_users_file": (BENCH_C, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
+                                              "not an earlier output"),
 }
 
 

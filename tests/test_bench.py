@@ -58,3 +58,17 @@ def test_the_memory_probe_is_plain_memory_when_no_block_can_be_mapped(monkeypatc
     monkeypatch.setattr(checkpoint.mmap, "mmap", no_memory)
     ones = probe_ones(1 / 256, torch.device("cpu"))
     assert ones.numel() == 2**20 and bool((ones == 1).all())
+
+
+def test_bench_cpu_step_times_both_steps_alternating_and_writes_json(tmp_path):
+    import cpu_gemv
+    if cpu_gemv.load() is None:
+        pytest.skip("no kernels for this CPU or no g++: there is no C++ step to time")
+    out = tmp_path / "cpu_step.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_cpu_step.py"), "--rounds", "3", "--steps", "2",
+                             "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(out.read_text())
+    assert len(row["compiled_ms"]) == len(row["cpp_ms"]) == len(row["ratios"]) == 3
+    assert row["ratios"] == pytest.approx([a / b for a, b in zip(row["compiled_ms"], row["cpp_ms"])])
+    assert "| stdlib-target |" in result.stdout
