@@ -6,7 +6,9 @@ gathering the graph's ~360 inputs, and at each of the ~90 joins between products
 op call. On TinyLlama's shape that was 2.3-2.6 ms of a 12.3-13.2 ms int4 step (Zen 4), the products alone reading
 at 84-94% of the memory's speed. Here the step is a loop over the layers in C++: RMSNorm, RoPE, the cache write
 and the SiLU on one thread (a few thousand values each), the products and the attention on the kernels' threads,
-scratch kept between steps, and no Python, allocation or dispatch between them.
+scratch kept between steps, and no Python, allocation or dispatch between them. scripts/bench_cpu_step.py times
+the two alternating: on TinyLlama's shape (Zen 4) the compiled int4 step took 1.07-1.15x this one's time, int8
+1.04-1.09x, bf16 0.98-1.07x.
 
 It runs what it can run exactly as model.py does (the same bf16 roundings, the same cache), and says None to the
 rest, which then takes the compiled step: batches, left padding, token trees, float32 models, torch's kernels,
@@ -230,8 +232,10 @@ def bf16(t: Optional[Tensor], *shape) -> bool:
 
 class Step:
     """model's batch-1 decode step, bound to its weights and cache: step(cur, input_pos) -> logits [1, V]."""
-    def __init__(self, model: Transformer, model_struct: Model, layers, keep: list):
-        self.model, self.struct, self.layers, self.keep = model, model_struct, layers, keep
+    def __init__(self, model: Transformer, model_struct: Model, layers):
+        # the pointers in model_struct are the model's tensors as they were (see step): no reference is kept to
+        # them, so that setup_caches can free an old cache before it allocates the new one
+        self.model, self.struct, self.layers = model, model_struct, layers
         self.logits = torch.empty(1, model.args.vocab_size)
         self.lib = build()
 
@@ -255,7 +259,7 @@ def step_for(model: Transformer) -> Optional[Step]:
         return None
     if a.dim % 16 or a.intermediate_size % 16 or qn % 16 or not bf16(model.tok_embeddings.weight, a.vocab_size, a.dim):
         return None
-    layers, keep = [], []
+    layers = []
     for b in model.layers:
         att, ff = b.attention, b.feed_forward
         if type(b) is not TransformerBlock or type(att) is not Attention or type(ff) is not GateUp or \
@@ -280,7 +284,6 @@ def step_for(model: Transformer) -> Optional[Step]:
         layers.append(Layer(b.attention_norm.weight.data_ptr(), b.ffn_norm.weight.data_ptr(), ptr(att.bqkv),
                             *products, cache.k_cache.data_ptr(), cache.v_cache.data_ptr(), ptr(cache.k_scale),
                             ptr(cache.v_scale)))
-        keep += [cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale]
     out = linear(model.output, a.vocab_size, a.dim)
     if out is None or not model.output.f32 or not bf16(model.norm.weight, a.dim) or type(model.norm) is not RMSNorm \
             or model.norm.eps != a.norm_eps:
@@ -296,23 +299,15 @@ def step_for(model: Transformer) -> Optional[Step]:
     struct = Model(a.n_layer, a.dim, a.n_head, a.n_kv_head, D, a.intermediate_size, slots, a.sliding_window, vb,
                    a.norm_eps, model.tok_embeddings.weight.data_ptr(), model.norm.weight.data_ptr(),
                    freqs.data_ptr(), out, array, (c_void_p * 5)(*kernels))
-    return Step(model, struct, array, keep + [freqs, cpu_gemv._lib])
+    return Step(model, struct, array)
 
 
-def parts(model: Transformer) -> tuple:
-    """What a step is built on: a new cache (setup_caches), output head, layer or kernel set makes a new step."""
-    first, last = model.layers[0], model.layers[-1]
-    return (cpu_gemv._lib, model.freqs_cis, model.output, first.attention.kv_cache, last.attention.kv_cache,
-            first.attention.wqkv, last.feed_forward)
-
-
-def step(model: Transformer) -> Optional[Step]:
-    """step_for(model), kept on the model while parts(model) stay the same objects (held here, so that no new
-    object can take an old one's id)."""
-    if not len(model.layers):
-        return None
-    now, cached = parts(model), model.__dict__.get("_cpu_step")
-    if cached is None or any(a is not b for a, b in zip(cached[0], now)):
-        cached = (now, step_for(model))
+def step(model: Transformer, loop: Tensor) -> Optional[Step]:
+    """step_for(model), built once per decode loop (loop: the input_pos tensor each loop of generate makes anew, and
+    steps in place): the model may change between loops (a new cache from setup_caches, other layers or weights),
+    not within one. Building it walks the model's layers, about a millisecond."""
+    cached = model.__dict__.get("_cpu_step")
+    if cached is None or cached[0] is not loop:  # the loop's tensor is held here: no new one can take its id
+        cached = (loop, step_for(model))
         model.__dict__["_cpu_step"] = cached
     return cached[1]

@@ -163,7 +163,8 @@ def cpu_or(compiled: Callable) -> Callable:
     """decode_one_token as one C++ call (cpu_step.py) for a batch-1 step of a CPU model that step runs exactly
     (without torch.compile's fixed cost per step, see there); anything else through compiled."""
     def decode(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]
-        cpu = cpu_step.step(model) if cur.shape == (1, 1) and left_pad is None and cur.device.type == "cpu" else None
+        cpu = cpu_step.step(model, input_pos) if cur.shape == (1, 1) and left_pad is None and \
+            cur.device.type == "cpu" else None
         if cpu is None:
             return compiled(model, cur, input_pos, left_pad, kv_len, **sampling)
         return sample(cpu(cur, input_pos), **sampling)

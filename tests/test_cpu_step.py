@@ -50,7 +50,7 @@ def logits_both_ways(model: Transformer, prompt_len: int = 9, steps: int = 3) ->
     """(model.py's logits, the C++ step's) for `steps` decode steps after a random prompt, each fed its argmax."""
     prompt = torch.randint(0, model.args.vocab_size, (1, prompt_len))
     model(prompt, torch.arange(prompt_len), kv_len=model.max_seq_length)
-    step, out, cur = cpu_step.step(model), [], torch.tensor([[5]])
+    step, out, cur = cpu_step.step_for(model), [], torch.tensor([[5]])
     assert step is not None
     for pos in range(prompt_len, prompt_len + steps):
         ref = model(cur, torch.tensor([pos]))[:, -1].float()  # writes the slot, which the step then writes again
@@ -101,34 +101,35 @@ def test_batches_and_models_the_step_cannot_run_take_the_compiled_step(monkeypat
     model = tiny()
     compiled = []
     decode = gen.cpu_or(lambda *a, **kw: compiled.append(1) or gen.decode_one_token(*a, **kw))
-    pos = torch.tensor([0])
-    with torch.inference_mode():
-        decode(model, torch.tensor([[3]]), pos, None, 256, temperature=0)
+    with torch.inference_mode():  # each call a loop of its own, with its own input_pos
+        decode(model, torch.tensor([[3]]), torch.tensor([0]), None, 256, temperature=0)
         assert compiled == []
         model.setup_caches(2, 256)
-        decode(model, torch.tensor([[3], [4]]), pos, None, 256, temperature=0)  # a batch
+        decode(model, torch.tensor([[3], [4]]), torch.tensor([0]), None, 256, temperature=0)  # a batch
         assert compiled == [1]
         model.setup_caches(1, 256)
-        decode(model, torch.tensor([[3]]), pos, torch.tensor([0]), 256, temperature=0)  # left padding
+        decode(model, torch.tensor([[3]]), torch.tensor([0]), torch.tensor([0]), 256, temperature=0)  # left padding
         assert compiled == [1, 1]
-    assert cpu_step.step(load_model(DEFAULT_CHECKPOINT, "cpu", torch.float32)) is None  # float32
-    assert cpu_step.step(load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16, "off")) is None  # torch's kernels
+    assert cpu_step.step_for(load_model(DEFAULT_CHECKPOINT, "cpu", torch.float32)) is None  # float32
+    assert cpu_step.step_for(load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16, "off")) is None  # torch's kernels
     model.layers[1].attention.wo.register_forward_hook(lambda *a: None)  # e.g. tensor parallelism's all-reduce
-    assert cpu_step.step(model) is None
+    assert cpu_step.step_for(model) is None
 
 
-def test_a_new_cache_gets_a_step_that_writes_into_it():
+def test_each_decode_loop_builds_its_step_so_a_new_cache_is_the_one_written():
     model = tiny()
-    first = cpu_step.step(model)
-    assert cpu_step.step(model) is first  # kept while nothing changed
+    loop = torch.tensor([9])
+    first = cpu_step.step(model, loop)
+    assert cpu_step.step(model, loop) is first  # once a loop
     model.setup_caches(1, 128)
-    assert cpu_step.step(model) is not first
+    second = cpu_step.step(model, torch.tensor([9]))  # the next loop's input_pos
+    assert second is not first
+    assert second.struct.layers[0].k == model.layers[0].attention.kv_cache.k_cache.data_ptr()
     assert all(close(ref, got) for ref, got in logits_both_ways(model))
 
 
 def test_a_token_or_position_outside_the_model_is_an_error_not_a_read_out_of_bounds():
-    model = tiny()
-    step = cpu_step.step(model)
+    step = cpu_step.step_for(tiny())
     with pytest.raises(ValueError, match="outside the model"):
         step(torch.tensor([[320]]), torch.tensor([0]))
     with pytest.raises(ValueError, match="outside the model"):
