@@ -13,6 +13,14 @@ from generate import DEFAULT_CHECKPOINT, generate
 from model import ModelArgs, Transformer
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
+TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
+
+
+@pytest.fixture(params=TARGETS)
+def kernels(request):  # every kernel set this CPU runs: on an AVX-512 machine the AVX2 one too
+    assert cpu_gemv.load(request.param) == request.param
+    yield request.param
+    cpu_gemv.load()
 
 
 @pytest.fixture(autouse=True)
@@ -66,11 +74,11 @@ def close(ref: torch.Tensor, got: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
-def test_the_step_gives_model_py_logits_for_each_weight_kind(mode):
+def test_the_step_gives_model_py_logits_for_each_weight_kind(mode, kernels):
     assert all(close(ref, got) for ref, got in logits_both_ways(tiny(mode)))
 
 
-def test_the_step_gives_model_py_logits_over_an_int8_cache():
+def test_the_step_gives_model_py_logits_over_an_int8_cache(kernels):
     assert all(close(ref, got) for ref, got in logits_both_ways(tiny("int4", kv=torch.int8)))
 
 
