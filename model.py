@@ -1,5 +1,7 @@
 """A Llama-architecture decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU, and a
-static KV cache that is updated in place so torch.compile and CUDA graphs can replay every decode step."""
+static KV cache that is updated in place so torch.compile and CUDA graphs can replay every decode step.
+cpu_step.py repeats this forward for one token in C++ (batch-1 decoding on a CPU): a change to the arithmetic here
+needs the same change there, which tests/test_cpu_step.py checks by comparing the two."""
 import math
 import mmap
 from dataclasses import dataclass
