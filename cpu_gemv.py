@@ -159,6 +159,20 @@ static inline void ahead(const void* p, int bytes = AHEAD) {
     if (AHEAD_WEIGHTS) _mm_prefetch((const char*)p + bytes, _MM_HINT_NTA);
 }
 
+// 8 fp32 -> 8 bf16, rounded to nearest even as to_bf16() does (NaN stays NaN): the 16 bits in each 32-bit lane
+static inline __m256i bf16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+static inline __m128i to_bf16x8(__m256 v) {  // packed
+    const __m256i b = bf16_bits(v);
+    return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
 static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -765,14 +779,6 @@ extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* s
     else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq[0], w, scales, zeros, y, N, K, f32);
     else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq[0], w, scales, zeros, y, N, K, f32);
     else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq[0], w, scales, zeros, y, N, K, f32);
-}
-
-// 8 fp32 -> 8 bf16, rounded to nearest even (dequantized weights are finite: no NaN to keep)
-static inline __m128i to_bf16x8(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
 }
 
 // prefill's int4 weights: w [N, K / 2] packed, scales and zeros [N, K / G] -> out [N, K] in fp32 (or bf16), for a

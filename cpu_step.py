@@ -24,20 +24,9 @@ import cpu_gemv
 from model import Attention, GateUp, RMSNorm, Transformer, TransformerBlock
 
 STEP = r"""
-// 8 bf16 <- 8 fp32, rounded to nearest even as to_bf16() does (NaN stays NaN); the 16 bits in each 32-bit lane
-static inline __m256i bf16_bits(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-}
+// (bf16_bits, to_bf16x8, widen8 and hsum8: cpu_gemv.PRELUDE's)
 static inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
-static inline void store8(uint16_t* p, __m256 v) {
-    const __m256i b = bf16_bits(v);
-    _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
+static inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
 
 // e^x, within 3e-7 relative (2.3e-7 at worst over -87..88): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
 // series to r^6, times 2^n

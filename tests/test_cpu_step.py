@@ -105,7 +105,7 @@ def test_compiled_decoding_runs_the_step_and_gives_eager_tokens(monkeypatch):
     assert len(calls) == 2 * 39  # every token after prefill's
 
 
-def test_batches_and_models_the_step_cannot_run_take_the_compiled_step(monkeypatch):
+def test_batches_and_models_the_step_cannot_run_take_the_compiled_step():
     model = tiny()
     compiled = []
     decode = gen.cpu_or(lambda *a, **kw: compiled.append(1) or gen.decode_one_token(*a, **kw))
