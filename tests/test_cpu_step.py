@@ -62,7 +62,7 @@ def logits_both_ways(model: Transformer, prompt_len: int = 9, steps: int = 3) ->
     assert step is not None
     for pos in range(prompt_len, prompt_len + steps):
         ref = model(cur, torch.tensor([pos]))[:, -1].float()  # writes the slot, which the step then writes again
-        got = step(cur, torch.tensor([pos]))
+        got = step(cur, torch.tensor([pos])).clone()  # the step's buffer, which the next step rewrites
         out.append((ref, got))
         cur = ref.argmax(-1, keepdim=True)
     return out
@@ -134,6 +134,45 @@ def test_each_decode_loop_builds_its_step_so_a_new_cache_is_the_one_written():
     assert second is not first
     assert second.struct.layers[0].k == model.layers[0].attention.kv_cache.k_cache.data_ptr()
     assert all(close(ref, got) for ref, got in logits_both_ways(model))
+
+
+def test_the_greedy_pick_is_torch_argmax_first_of_equals_and_minus_one_for_a_nan_or_an_infinity():
+    step = cpu_step.step_for(tiny())
+    torch.manual_seed(0)
+    for V in (320, 32000, 32003):  # a tail past the last 8
+        logits = torch.randn(1, V)
+        first = V // 3 // 8 * 8 + 3
+        logits[0, [first, first + 64, V // 2, V - 1]] = logits.max() + 1  # equal largest: argmax takes the first
+        assert step.lib.greedy(logits.data_ptr(), V) == logits.argmax(-1).item() == first
+        logits[0, V - 1] = logits.max() + 1  # the last one, in the tail where V is not a multiple of 8
+        assert step.lib.greedy(logits.data_ptr(), V) == V - 1
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for at in (7, V - 1):
+                damaged = logits.clone()
+                damaged[0, at] = bad
+                assert step.lib.greedy(damaged.data_ptr(), V) == gen.NOT_FINITE == gen.sample(damaged).item()
+
+
+def test_greedy_decoding_takes_the_step_s_pick_and_sampling_takes_its_logits():
+    model = tiny()
+    decode = gen.cpu_or(lambda *a, **kw: pytest.fail("the compiled step ran"))
+    with torch.inference_mode():
+        step = cpu_step.step_for(model)
+        want = step(torch.tensor([[3]]), torch.tensor([0])).argmax(-1)
+        model.setup_caches(1, 256)
+        got = decode(model, torch.tensor([[3]]), torch.tensor([0]), None, 256, temperature=0)
+        assert torch.equal(got, want)
+        model.setup_caches(1, 256)
+        torch.manual_seed(1)
+        drawn = decode(model, torch.tensor([[3]]), torch.tensor([0]), None, 256, temperature=2.0)
+        torch.manual_seed(1)
+        assert torch.equal(drawn, gen.sample(step_logits(model), temperature=2.0))
+        assert not torch.equal(drawn, want)  # a draw, not the argmax (this seed's)
+
+
+def step_logits(model: Transformer) -> torch.Tensor:  # the first step's logits after token 3, on a fresh cache
+    model.setup_caches(1, 256)
+    return cpu_step.step_for(model)(torch.tensor([[3]]), torch.tensor([0]))
 
 
 def test_a_token_or_position_outside_the_model_is_an_error_not_a_read_out_of_bounds():
