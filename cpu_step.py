@@ -199,6 +199,21 @@ extern "C" int64_t greedy(const float* logits, int64_t V) {
     }
     return pick;
 }
+
+// greedy decoding from token at slot pos: a step a token, each fed the last one's pick, into out[0, n), until n
+// tokens, one of eos[0, n_eos) or a -1 (a logit not finite). Returns the tokens written. No Python between steps:
+// the ~10 torch ops generate's loop runs a token cost ~0.35 ms there (their code and data evicted by the weights).
+extern "C" int64_t decode_greedy(const Model* model, int64_t token, int64_t pos, int64_t n, int64_t* out,
+                                 const int64_t* eos, int64_t n_eos, float* logits, int64_t vocab) {
+    for (int64_t i = 0; i < n; i++) {
+        decode_step(model, token, pos + i, logits);
+        token = out[i] = greedy(logits, vocab);
+        bool end = token < 0;
+        for (int64_t e = 0; e < n_eos; e++) end |= token == eos[e];
+        if (end) return i + 1;
+    }
+    return n;
+}
 """
 
 
@@ -231,6 +246,9 @@ def build() -> ctypes.CDLL:
         _lib = ctypes.CDLL(str(cpu_gemv.compile_once(cpu_gemv.PRELUDE + STEP, flags)))
         _lib.decode_step.argtypes = [POINTER(Model), c_int64, c_int64, c_void_p]
         _lib.greedy.argtypes, _lib.greedy.restype = [c_void_p, c_int64], c_int64
+        _lib.decode_greedy.argtypes = [POINTER(Model), c_int64, c_int64, c_int64, c_void_p, c_void_p, c_int64,
+                                       c_void_p, c_int64]
+        _lib.decode_greedy.restype = c_int64
     return _lib
 
 
@@ -260,13 +278,16 @@ class Step:
         self.logits = torch.empty(1, model.args.vocab_size)
         self.lib = build()
 
+    def check(self, token: int, pos: int, n: int = 1):
+        if not (0 <= token < self.logits.size(1) and 0 <= pos and pos + n <= self.model.max_seq_length):
+            raise ValueError(f"token {token} at positions {pos}..{pos + n - 1}: outside the model's "
+                             f"{self.logits.size(1)} tokens or its cache's {self.model.max_seq_length} positions")
+
     def __call__(self, cur: Tensor, input_pos: Tensor) -> Tensor:  # cur [1, 1], input_pos [1]
         """The logits [1, V] float32, in the step's own buffer, which the next call rewrites (no allocation a step:
         a new 128 KB tensor cost ~0.07 ms of page faults every step on a 2-core Zen 4 VM)."""
         token, pos = int(cur), int(input_pos)
-        if not (0 <= token < self.logits.size(1) and 0 <= pos < self.model.max_seq_length):
-            raise ValueError(f"token {token} at position {pos}: outside the model's {self.logits.size(1)} tokens "
-                             f"or its cache's {self.model.max_seq_length} positions")
+        self.check(token, pos)
         self.lib.decode_step(ctypes.byref(self.struct), token, pos, self.logits.data_ptr())
         return self.logits
 
@@ -274,6 +295,15 @@ class Step:
         """The step's greedy token, as generate.sample picks it at temperature 0 (-1: a logit is not finite)."""
         self(cur, input_pos)
         return self.lib.greedy(self.logits.data_ptr(), self.logits.size(1))
+
+    def greedy_loop(self, token: int, pos: int, out: Tensor, eos: Optional[Tensor]) -> int:
+        """Greedy decoding from token at slot pos into out [n] int64, a step a token, each fed the last pick: until
+        out is full, an id of eos [E] or -1 (a logit not finite; see greedy). Returns the tokens written."""
+        assert out.dtype == torch.int64 and out.dim() == 1 and out.is_contiguous()
+        self.check(token, pos, out.numel())
+        eos = torch.empty(0, dtype=torch.int64) if eos is None else eos.to(torch.int64).contiguous()
+        return self.lib.decode_greedy(ctypes.byref(self.struct), token, pos, out.numel(), out.data_ptr(),
+                                      eos.data_ptr(), eos.numel(), self.logits.data_ptr(), self.logits.size(1))
 
 
 def step_for(model: Transformer) -> Optional[Step]:

@@ -170,6 +170,22 @@ def cpu_or(compiled: Callable) -> Callable:
         if sampling.get("temperature", 0.0) == 0:  # the argmax in C++ too: torch's ops on the logits took ~0.2 ms
             return torch.tensor([cpu.greedy(cur, input_pos)])
         return sample(cpu(cur, input_pos), **sampling)
+
+    def greedy_loop(model, out, pos: int, left_pad, eos, **sampling) -> Optional[int]:  # out [B, N]
+        """decode_n_tokens as one C++ call (see cpu_step.decode_greedy) where decode would run the C++ step and
+        its greedy pick for every token; the columns filled, or None: run the loop here."""
+        if out.shape[0] != 1 or left_pad is not None or out.device.type != "cpu" or \
+                sampling.get("temperature", 0.0) != 0:
+            return None
+        first = int(out[0, 0])
+        cpu = cpu_step.step_for(model)
+        if cpu is None or first == NOT_FINITE or (eos is not None and first in eos.tolist()):
+            return None  # (a damaged model, or an answer that ended at once: the loop here says so)
+        filled = 1 + cpu.greedy_loop(first, pos, out[0, 1:], eos)
+        check_finite(out[:, :filled], filled - 1)
+        return filled
+
+    decode.greedy_loop = greedy_loop
     return decode
 
 
@@ -229,6 +245,10 @@ def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos, callb
     """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos). eos [E] holds the
     end-of-sequence ids; stop(row) -> the tokens to keep, fewer than len(row) once a stop string shows.
     Returns the number of columns filled."""
+    loop = getattr(decode, "greedy_loop", None)  # cpu_or's: the whole loop in C++, where nothing needs the host
+    filled = loop(model, out, pos, left_pad, eos, **sampling) if loop and callback is None and stop is None else None
+    if filled is not None:
+        return filled
     input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
     done = torch.isin(out[:, 0], eos) if eos is not None else None  # [B]
     if stop is not None and done is None:

@@ -101,8 +101,43 @@ def test_compiled_decoding_runs_the_step_and_gives_eager_tokens(monkeypatch):
     run = cpu_step.Step.__call__
     monkeypatch.setattr(cpu_step.Step, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
     steps = gen.build_steps(compile=True)
-    assert [generate(model, [p], 40, steps=steps, temperature=0.0).rows[0] for p in prompts] == eager
-    assert len(calls) == 2 * 39  # every token after prefill's
+    shown = []  # a callback sees each token as it comes: a step at a time from Python
+    assert [generate(model, [p], 40, steps=steps, temperature=0.0, callback=shown.append).rows[0]
+            for p in prompts] == eager
+    assert len(calls) == 2 * 39 and len(shown) == 2 * 40  # every token after prefill's
+
+
+def test_greedy_decoding_without_a_callback_is_one_c_plus_plus_loop_with_eager_tokens(monkeypatch):
+    model = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
+    eager = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0).rows[0]
+    loops = []
+    run = cpu_step.Step.greedy_loop
+    monkeypatch.setattr(cpu_step.Step, "greedy_loop", lambda self, *a: loops.append(run(self, *a)) or loops[-1])
+    monkeypatch.setattr(cpu_step.Step, "__call__", lambda *a: pytest.fail("a step from Python"))
+    result = generate(model, [[1, 40, 41, 42]], 40, steps=gen.build_steps(compile=True), temperature=0.0)
+    assert result.rows[0] == eager and loops == [39] and result.forwards == 39
+
+
+def test_the_c_plus_plus_loop_stops_at_an_end_of_sequence_id_as_the_loop_in_python_does():
+    model = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
+    free = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0).rows[0]
+    eager = generate(model, [[1, 40, 41, 42]], 40, eos_ids=[free[2]], temperature=0.0)  # free[2] ends it
+    steps = gen.build_steps(compile=True)
+    looped = generate(model, [[1, 40, 41, 42]], 40, eos_ids=[free[2]], steps=steps, temperature=0.0)
+    assert looped.rows == eager.rows == [free[:2]]
+    assert looped.forwards == 2  # the steps to the end and no more
+
+
+def test_the_c_plus_plus_loop_stops_at_a_nan_with_the_loop_s_error():
+    model = tiny()
+    model.layers[1].feed_forward.w2.weight.data[3, 5] = float("nan")
+    steps = gen.build_steps(compile=True)
+    # the prompt's token comes from prefill's (torch's) forward, which already sees the NaN: feed the C++ loop a
+    # clean first token, as a model that goes wrong only later would
+    out = torch.tensor([[5, 0, 0, 0]])
+    with torch.inference_mode(), pytest.raises(ValueError, match="NaN or infinite by new token 2"):
+        gen.decode_n_tokens(model, steps.decode, out, 3, None, None, None)
+    assert out[0, 1].item() == gen.NOT_FINITE
 
 
 def test_batches_and_models_the_step_cannot_run_take_the_compiled_step():
@@ -181,3 +216,5 @@ def test_a_token_or_position_outside_the_model_is_an_error_not_a_read_out_of_bou
         step(torch.tensor([[320]]), torch.tensor([0]))
     with pytest.raises(ValueError, match="outside the model"):
         step(torch.tensor([[3]]), torch.tensor([256]))
+    with pytest.raises(ValueError, match="outside the model"):  # the loop's last position past the cache
+        step.greedy_loop(3, 250, torch.zeros(7, dtype=torch.int64), None)
