@@ -157,6 +157,7 @@ class Steps:
     prefill_logits: Callable = decode_logits  # guided decoding: logits first, then the masked pick
     logits: Callable = decode_logits
     pick: Callable = pick
+    loop: Optional[Callable] = None  # the whole decode loop in one call where it can (cpu_greedy_loop), else None
 
 
 def cpu_or(compiled: Callable) -> Callable:
@@ -171,29 +172,29 @@ def cpu_or(compiled: Callable) -> Callable:
             return torch.tensor([cpu.greedy(cur, input_pos)])
         return sample(cpu(cur, input_pos), **sampling)
 
-    def greedy_loop(model, out, pos: int, left_pad, eos, **sampling) -> Optional[int]:  # out [B, N]
-        """decode_n_tokens as one C++ call (see cpu_step.decode_greedy) where decode would run the C++ step and
-        its greedy pick for every token; the columns filled, or None: run the loop here."""
-        if out.shape[0] != 1 or left_pad is not None or out.device.type != "cpu" or \
-                sampling.get("temperature", 0.0) != 0:
-            return None
-        first = int(out[0, 0])
-        cpu = cpu_step.step_for(model)
-        if cpu is None or first == NOT_FINITE or (eos is not None and first in eos.tolist()):
-            return None  # (a damaged model, or an answer that ended at once: the loop here says so)
-        filled = 1 + cpu.greedy_loop(first, pos, out[0, 1:], eos)
-        check_finite(out[:, :filled], filled - 1)
-        return filled
-
-    decode.greedy_loop = greedy_loop
     return decode
+
+
+def cpu_greedy_loop(model, out, pos: int, left_pad, eos, **sampling) -> Optional[int]:  # out [B, N]
+    """decode_n_tokens as one C++ call (cpu_step.decode_greedy) where cpu_or's decode would run the C++ step and its
+    greedy pick for every token; the columns filled, or None: generate runs decode_n_tokens instead."""
+    if out.shape[0] != 1 or left_pad is not None or out.device.type != "cpu" or sampling.get("temperature", 0.0) != 0:
+        return None
+    first = int(out[0, 0])
+    cpu = cpu_step.step_for(model)
+    if cpu is None or first == NOT_FINITE or (eos is not None and first in eos.tolist()):
+        return None  # (a damaged model, or an answer that ended at once: decode_n_tokens says so)
+    filled = 1 + cpu.greedy_loop(first, pos, out[0, 1:], eos)
+    check_finite(out[:, :filled], filled - 1)
+    return filled
 
 
 def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
     step = compile_step if compile else (lambda f: f)  # torch.compile is lazy: unused steps cost nothing
     first = compile_prefill if compile_prefill_too else (lambda f: f)
     decode = cpu_or(step(decode_one_token)) if compile else decode_one_token
-    return Steps(first(prefill), decode, first(decode_logits), step(decode_logits), step(pick))
+    return Steps(first(prefill), decode, first(decode_logits), step(decode_logits), step(pick),
+                 cpu_greedy_loop if compile else None)
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -245,10 +246,6 @@ def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos, callb
     """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos). eos [E] holds the
     end-of-sequence ids; stop(row) -> the tokens to keep, fewer than len(row) once a stop string shows.
     Returns the number of columns filled."""
-    loop = getattr(decode, "greedy_loop", None)  # cpu_or's: the whole loop in C++, where nothing needs the host
-    filled = loop(model, out, pos, left_pad, eos, **sampling) if loop and callback is None and stop is None else None
-    if filled is not None:
-        return filled
     input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
     done = torch.isin(out[:, 0], eos) if eos is not None else None  # [B]
     if stop is not None and done is None:
@@ -334,7 +331,11 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         stream(callback, out[0, :1].tolist())
     device_sync(device)
     t1 = time.perf_counter()
-    filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos, callback, stop, **sampling)
+    # the loop in one call where it can, and where nothing needs the host between tokens
+    can_loop = steps.loop is not None and callback is None and stop is None
+    filled = steps.loop(model, out, T, left_pad, eos, **sampling) if can_loop else None
+    if filled is None:
+        filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos, callback, stop, **sampling)
     device_sync(device)
     t2 = time.perf_counter()
 
