@@ -320,18 +320,19 @@ def peer_models(args, tools: Path, cache: int) -> list[tuple[str, Path, Path, st
 
 def round_plan(depth: bool, mirrored: bool) -> list[tuple[str, str]]:
     """One round of --peer: (side, measurement) in order. Each of our measurements runs right beside llama.cpp's
-    same one, our short decode between two read probes and beside our decode at depth: on a shared host the memory's
-    speed moves within seconds, and a pair ten seconds apart gave decode ratios from 0.63 to 1.28 in one run. Every
-    other round runs in reverse, so that a steady drift in the memory's speed favours neither side."""
-    plan = [("theirs", "decode"), ("read", ""), ("ours", "decode"), ("read", "")]
-    plan += [("ours", "depth_decode"), ("theirs", "depth_decode")] if depth else []
+    same one, our short decode between two read probes and beside our decode at depth (which a third probe closes):
+    on a shared host the memory's speed moves within seconds, and a pair ten seconds apart gave decode ratios from
+    0.63 to 1.28 in one run. Every other round runs in reverse, so that a steady drift in the memory's speed favours
+    neither side. The probes are numbered in the order of an unmirrored round."""
+    plan = [("theirs", "decode"), ("read", "0"), ("ours", "decode"), ("read", "1")]
+    plan += [("ours", "depth_decode"), ("read", "2"), ("theirs", "depth_decode")] if depth else []
     plan += [("theirs", "prefill"), ("ours", "prefill")]
     return plan[::-1] if mirrored else plan
 
 
 def memory_changed(probes: list[float]) -> bool:
-    """Whether the read probes around one of our decodes differ by more than a quarter: the memory changed speed
-    during it, and its "% of read" (and the round's "kept") say little."""
+    """Whether read probes around our decodes differ by more than a quarter: the memory changed speed during them,
+    and their "% of read" (or "kept", our two decodes' ratio) says little."""
     return max(probes) > 1.25 * min(probes)
 
 
@@ -362,14 +363,14 @@ def peer(args, device, tools: Path) -> list[dict]:
                 ours = Child(device, cfg, args.threads)
                 rounds, reads = [], []
                 for i in tqdm(range(args.rounds), desc=f"{weights}{', busy core' if load else ''}", disable=None):
-                    a, b, probes = {}, {}, []
+                    a, b, probes = {}, {}, [0.0] * (3 if depth else 2)
                     for side, kind in round_plan(bool(depth), mirrored=i % 2 == 1):
                         if side == "ours":
                             a[kind] = ours.measure(kind)
                         elif side == "read":
                             # on a shared host the memory's read speed swings by half within minutes: one probe at
                             # the start made "% of read" say 57% in one run, 94% in the next
-                            probes.append(read_bandwidth(device, COPY_GIB[device.type == "cuda"]))
+                            probes[int(kind)] = read_bandwidth(device, COPY_GIB[device.type == "cuda"])
                         else:
                             b[kind] = theirs_measure(args, tools, gguf_path, threads, kind)
                     rounds.append((a, b))
@@ -387,18 +388,23 @@ def peer(args, device, tools: Path) -> list[dict]:
                 row[f"{key}_ratio"] = statistics.median(a[key] / b[key] for a, b in rounds)
             if depth:  # like every ratio here, the median of the rounds' own: each round's two decodes are close in time
                 row["depth_kept"] = statistics.median(100 * a["depth_decode"] / a["decode"] for a, _ in rounds)
-            row["read_rounds_gb_s"] = [[r / 1e9 for r in probes] for probes in reads]  # before and after our decode
-            row["read_gb_s"] = statistics.median(statistics.mean(probes) for probes in reads) / 1e9
-            row["pct_read"] = statistics.median(100 * row["weight_bytes"] * a["decode"] / statistics.mean(probes)
+            # before and after our decode, and after our decode at depth
+            row["read_rounds_gb_s"] = [[r / 1e9 for r in probes] for probes in reads]
+            row["read_gb_s"] = statistics.median(statistics.mean(probes[:2]) for probes in reads) / 1e9
+            row["pct_read"] = statistics.median(100 * row["weight_bytes"] * a["decode"] / statistics.mean(probes[:2])
                                                 for (a, _), probes in zip(rounds, reads))
-            row["memory_changed_rounds"] = [i for i, probes in enumerate(reads) if memory_changed(probes)]
+            row["memory_changed_rounds"] = [i for i, probes in enumerate(reads) if memory_changed(probes[:2])]
+            if depth:
+                row["kept_changed_rounds"] = [i for i, probes in enumerate(reads) if memory_changed(probes)]
             rows.append(row)
             print_peer(row, header=len(rows) == 1, depth=args.depth, prefill=args.prefill)
-    changed = [f"{r['weights']}{', busy core' if r['load'] else ''} {len(r['memory_changed_rounds'])} of "
-               f"{len(r['rounds'])}" for r in rows if r["memory_changed_rounds"]]
-    if changed:
-        print(f"\n* the read probes before and after our decode differed by more than a quarter in some rounds "
-              f"({', '.join(changed)}): the memory changed speed during them", flush=True)
+    for key, what in (("memory_changed_rounds", "% of read: the read probes before and after our decode"),
+                      ("kept_changed_rounds", "kept: the read probes around our decode and our decode at depth")):
+        changed = [f"{r['weights']}{', busy core' if r['load'] else ''} {len(r[key])} of {len(r['rounds'])}"
+                   for r in rows if r.get(key)]
+        if changed:
+            print(f"\n* {what} differed by more than a quarter in some rounds ({', '.join(changed)}): "
+                  f"the memory changed speed during them", flush=True)
     return rows
 
 
@@ -409,7 +415,8 @@ def print_peer(r: dict, header: bool, depth: int, prefill: int):
               f"| % of read | prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
         print("| --- | --- | --- |" + " ---: |" * (9 + (4 if depth else 0)))
     d = (f" | {r['depth_decode']:.1f} | {r['llama_depth_decode']:.1f} | {r['depth_decode_ratio']:.2f} | "
-         f"{r['depth_kept']:.0f}%" if "depth_decode" in r else " | | | |") if depth else ""
+         f"{r['depth_kept']:.0f}%{'*' if r.get('kept_changed_rounds') else ''}" if "depth_decode" in r
+         else " | | | |") if depth else ""
     print(f"| {r['weights']} | {r['theirs']} | {'one core busy' if r['load'] else 'idle'} | {r['decode']:.1f} | "
           f"{r['llama_decode']:.1f} | {r['decode_ratio']:.2f} | {r['weight_bytes'] * r['decode'] / 1e9:.1f} | "
           f"{r['read_gb_s']:.1f} | {r['pct_read']:.0f}%{'*' if r['memory_changed_rounds'] else ''} | "
