@@ -51,6 +51,9 @@ RECORDS = {"type": "array", "minItems": 1000, "items": {"type": "object", "addit
                                                      "score": {"type": "number", "minimum": 0, "maximum": 1,
                                                                "multipleOf": 0.125}}}}
 COPY_GIB = {False: 1, True: 4}  # keyed by "on a GPU": well past the last-level cache either way
+# --peer's "kept": our decode at depth over our short decode, in this many pairs of decodes of this many tokens (or
+# --new_tokens, if fewer)
+KEPT_PAIRS, KEPT_TOKENS = 5, 16
 
 
 def timed(f, repeats: int, device) -> float:  # median seconds of f()
@@ -225,10 +228,11 @@ def run_transformers(cfg: dict, device):
 
 def serve_peer(cfg: dict):
     """A child process of ours for --peer: load and compile once, warm up, then one measurement per line on stdin
-    ("decode", "prefill" or "depth_decode"), its tokens/s as one JSON number: decode is batch 1, new_tokens after a
-    one-token prompt; prefill a `prefill`-token prompt; depth_decode new_tokens after `depth` tokens of context. That
-    context is random keys and values written straight into the cache: attention's cost depends on its length, not
-    its values, and prefilling 4k tokens would take minutes per round here."""
+    ("decode", "prefill", "depth_decode" or "kept"), as one JSON number: decode is batch 1, new_tokens after a
+    one-token prompt; prefill a `prefill`-token prompt; depth_decode new_tokens after `depth` tokens of context (all
+    three in tokens/s); kept the median of KEPT_PAIRS pairs' ratios (%) of a decode at depth to a short decode run
+    right after it. That context is random keys and values written straight into the cache: attention's cost
+    depends on its length, not its values, and prefilling 4k tokens would take minutes per round here."""
     device = resolve_device(cfg["device"])
     torch.manual_seed(0)
     model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
@@ -238,13 +242,16 @@ def serve_peer(cfg: dict):
     prompt = torch.randint(3, vocab, (cfg["prefill"],)).tolist()
     long = torch.randint(3, vocab, (depth + 1,)).tolist()
 
+    def rate(ids: list[int], tokens: int, cached: int = 0) -> float:  # decode tokens/s
+        r = generate(model, [ids], tokens, steps=steps, temperature=0, cached=cached)
+        return r.forwards / r.decode_s
+
     def measure(kind: str) -> float:
         # untimed first, as llama-bench warms up before each measurement: while the other side ran, the OS may have
         # dropped the weights' pages from its cache (seen on a VM), and a timed step would read them from disk
         generate(model, [prompt[:1]], 8, steps=steps, temperature=0)
         if kind == "decode":
-            r = generate(model, [prompt[:1]], n, steps=steps, temperature=0)
-            return r.forwards / r.decode_s
+            return rate(prompt[:1], n)
         if kind == "prefill":
             return cfg["prefill"] / generate(model, [prompt], 1, steps=steps, temperature=0).prefill_s
         with torch.no_grad():
@@ -254,10 +261,14 @@ def serve_peer(cfg: dict):
                     t[:, :, :depth].random_(-127, 128) if t.dtype == torch.int8 else t[:, :, :depth].normal_()
                 for t in (c.k_scale, c.v_scale) if c.k_scale is not None else ():
                     t[:, :, :depth] = 1 / 64  # values of about the size normal_() gives
-        r = generate(model, [long], n, steps=steps, temperature=0, cached=depth)
-        return r.forwards / r.decode_s
+        if kind == "depth_decode":
+            return rate(long, n, depth)
+        # each pair a second or two long: on a shared VM the memory changed speed between a short decode and a decode
+        # at depth ten seconds apart in most rounds (read probes around them), which made their ratio 54-143%
+        k = min(KEPT_TOKENS, n)
+        return statistics.median(100 * rate(long, k, depth) / rate(prompt[:1], k) for _ in range(KEPT_PAIRS))
 
-    for kind in ("decode", "prefill", "depth_decode")[:3 if depth else 2]:  # compiles every step and cache length
+    for kind in ("decode", "prefill", "depth_decode", "kept")[:4 if depth else 2]:  # compiles every step and length
         measure(kind)
     print(json.dumps({"ready": True, "weight_bytes": weight_bytes(model), "kernels": cpu_gemv.describe(model)}),
           flush=True)
@@ -320,19 +331,19 @@ def peer_models(args, tools: Path, cache: int) -> list[tuple[str, Path, Path, st
 
 def round_plan(depth: bool, mirrored: bool) -> list[tuple[str, str]]:
     """One round of --peer: (side, measurement) in order. Each of our measurements runs right beside llama.cpp's
-    same one, our short decode between two read probes and beside our decode at depth (which a third probe closes):
-    on a shared host the memory's speed moves within seconds, and a pair ten seconds apart gave decode ratios from
-    0.63 to 1.28 in one run. Every other round runs in reverse, so that a steady drift in the memory's speed favours
-    neither side. The probes are numbered in the order of an unmirrored round."""
+    same one, our short decode between two read probes: on a shared host the memory's speed moves within seconds,
+    and a pair ten seconds apart gave decode ratios from 0.63 to 1.28 in one run. Every other round runs in reverse,
+    so that a steady drift in the memory's speed favours neither side. The probes are numbered in the order of an
+    unmirrored round."""
     plan = [("theirs", "decode"), ("read", "0"), ("ours", "decode"), ("read", "1")]
-    plan += [("ours", "depth_decode"), ("read", "2"), ("theirs", "depth_decode")] if depth else []
+    plan += [("ours", "depth_decode"), ("ours", "kept"), ("theirs", "depth_decode")] if depth else []
     plan += [("theirs", "prefill"), ("ours", "prefill")]
     return plan[::-1] if mirrored else plan
 
 
 def memory_changed(probes: list[float]) -> bool:
-    """Whether read probes around our decodes differ by more than a quarter: the memory changed speed during them,
-    and their "% of read" (or "kept", our two decodes' ratio) says little."""
+    """Whether the read probes around our decode differ by more than a quarter: the memory changed speed during it,
+    and its "% of read" says little."""
     return max(probes) > 1.25 * min(probes)
 
 
@@ -363,7 +374,7 @@ def peer(args, device, tools: Path) -> list[dict]:
                 ours = Child(device, cfg, args.threads)
                 rounds, reads = [], []
                 for i in tqdm(range(args.rounds), desc=f"{weights}{', busy core' if load else ''}", disable=None):
-                    a, b, probes = {}, {}, [0.0] * (3 if depth else 2)
+                    a, b, probes = {}, {}, [0.0, 0.0]
                     for side, kind in round_plan(bool(depth), mirrored=i % 2 == 1):
                         if side == "ours":
                             a[kind] = ours.measure(kind)
@@ -382,29 +393,24 @@ def peer(args, device, tools: Path) -> list[dict]:
             kv = (", KV int8", ", KV Q8_0") if kv_int8 else ("", "")
             row = dict(weights=weights + kv[0], theirs=theirs + kv[1], load=load, rounds=rounds,
                        weight_bytes=ours.info["weight_bytes"], kernels=ours.info["kernels"])
-            for key in rounds[0][0]:
+            for key in rounds[0][1]:
                 row[key] = statistics.median(a[key] for a, _ in rounds)
                 row[f"llama_{key}"] = statistics.median(b[key] for _, b in rounds)
                 row[f"{key}_ratio"] = statistics.median(a[key] / b[key] for a, b in rounds)
-            if depth:  # like every ratio here, the median of the rounds' own: each round's two decodes are close in time
-                row["depth_kept"] = statistics.median(100 * a["depth_decode"] / a["decode"] for a, _ in rounds)
-            # before and after our decode, and after our decode at depth
-            row["read_rounds_gb_s"] = [[r / 1e9 for r in probes] for probes in reads]
-            row["read_gb_s"] = statistics.median(statistics.mean(probes[:2]) for probes in reads) / 1e9
-            row["pct_read"] = statistics.median(100 * row["weight_bytes"] * a["decode"] / statistics.mean(probes[:2])
+            if depth:  # the median of the rounds' medians of their pairs' ratios
+                row["depth_kept"] = statistics.median(a["kept"] for a, _ in rounds)
+            row["read_rounds_gb_s"] = [[r / 1e9 for r in probes] for probes in reads]  # before and after our decode
+            row["read_gb_s"] = statistics.median(statistics.mean(probes) for probes in reads) / 1e9
+            row["pct_read"] = statistics.median(100 * row["weight_bytes"] * a["decode"] / statistics.mean(probes)
                                                 for (a, _), probes in zip(rounds, reads))
-            row["memory_changed_rounds"] = [i for i, probes in enumerate(reads) if memory_changed(probes[:2])]
-            if depth:
-                row["kept_changed_rounds"] = [i for i, probes in enumerate(reads) if memory_changed(probes)]
+            row["memory_changed_rounds"] = [i for i, probes in enumerate(reads) if memory_changed(probes)]
             rows.append(row)
             print_peer(row, header=len(rows) == 1, depth=args.depth, prefill=args.prefill)
-    for key, what in (("memory_changed_rounds", "% of read: the read probes before and after our decode"),
-                      ("kept_changed_rounds", "kept: the read probes around our decode and our decode at depth")):
-        changed = [f"{r['weights']}{', busy core' if r['load'] else ''} {len(r[key])} of {len(r['rounds'])}"
-                   for r in rows if r.get(key)]
-        if changed:
-            print(f"\n* {what} differed by more than a quarter in some rounds ({', '.join(changed)}): "
-                  f"the memory changed speed during them", flush=True)
+    changed = [f"{r['weights']}{', busy core' if r['load'] else ''} {len(r['memory_changed_rounds'])} of "
+               f"{len(r['rounds'])}" for r in rows if r["memory_changed_rounds"]]
+    if changed:
+        print(f"\n* the read probes before and after our decode differed by more than a quarter in some rounds "
+              f"({', '.join(changed)}): the memory changed speed during them", flush=True)
     return rows
 
 
@@ -415,8 +421,7 @@ def print_peer(r: dict, header: bool, depth: int, prefill: int):
               f"| % of read | prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
         print("| --- | --- | --- |" + " ---: |" * (9 + (4 if depth else 0)))
     d = (f" | {r['depth_decode']:.1f} | {r['llama_depth_decode']:.1f} | {r['depth_decode_ratio']:.2f} | "
-         f"{r['depth_kept']:.0f}%{'*' if r.get('kept_changed_rounds') else ''}" if "depth_decode" in r
-         else " | | | |") if depth else ""
+         f"{r['depth_kept']:.0f}%" if "depth_decode" in r else " | | | |") if depth else ""
     print(f"| {r['weights']} | {r['theirs']} | {'one core busy' if r['load'] else 'idle'} | {r['decode']:.1f} | "
           f"{r['llama_decode']:.1f} | {r['decode_ratio']:.2f} | {r['weight_bytes'] * r['decode'] / 1e9:.1f} | "
           f"{r['read_gb_s']:.1f} | {r['pct_read']:.0f}%{'*' if r['memory_changed_rounds'] else ''} | "
