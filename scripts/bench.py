@@ -77,15 +77,30 @@ def probe_ones(gib: float, device) -> torch.Tensor:
     return torch.ones(n, device=device) if memory is None else memory.view(torch.float32).fill_(1.0)
 
 
+PROBES: dict = {}  # (device, GiB, slot) -> the probe's memory, for the life of the process
+
+
+def kept_ones(gib: float, device, slot: int = 0) -> torch.Tensor:
+    """probe_ones, made once per process and slot, and kept. On a VM whose balloon driver reports freed memory to
+    the host (virtio free page reporting, about two seconds after the free), freeing a 1 GiB probe slowed the memory
+    for about half a second two seconds later: TinyLlama's bf16 decode steps of about 60 ms took 70-106 ms in that
+    half second after 7 of 8 probes (2-core Zen 4 VM, memory slow), which landed in whatever was measured after the
+    probe: our decode, in every round of --peer. After a kept probe the steps took as long as after none."""
+    key = (str(device), gib, slot)
+    if key not in PROBES:
+        PROBES[key] = probe_ones(gib, device)
+    return PROBES[key]
+
+
 def copy_bandwidth(device, gib: float) -> float:
     """Bytes read plus bytes written per second by one large copy: the practical ceiling for streaming weights."""
-    src, dst = probe_ones(gib, device), probe_ones(gib, device)
+    src, dst = kept_ones(gib, device, 0), kept_ones(gib, device, 1)
     return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 10, device)
 
 
 def read_bandwidth(device, gib: float) -> float:
     """Bytes per second a large float32 sum reads: the ceiling for decoding, which reads weights and writes little."""
-    src = probe_ones(gib, device)
+    src = kept_ones(gib, device)
     return src.numel() * 4 / timed(lambda: src.sum(), 10, device)
 
 

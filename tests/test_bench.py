@@ -60,6 +60,17 @@ def test_the_memory_probe_is_plain_memory_when_no_block_can_be_mapped(monkeypatc
     assert ones.numel() == 2**20 and bool((ones == 1).all())
 
 
+def test_the_memory_probes_are_made_once_and_kept_so_no_free_lands_on_a_measurement(monkeypatch):
+    import bench
+    made = []
+    monkeypatch.setattr(bench, "PROBES", {})
+    monkeypatch.setattr(bench, "probe_ones", lambda gib, device: made.append(gib) or torch.ones(int(gib * 2**28)))
+    cpu = torch.device("cpu")
+    for _ in range(3):
+        assert bench.read_bandwidth(cpu, 1 / 256) > 0 and bench.copy_bandwidth(cpu, 1 / 256) > 0
+    assert made == [1 / 256, 1 / 256]  # the copy's source (also the sum's) and its destination, once each
+
+
 def test_bench_cpu_step_times_both_steps_alternating_and_writes_json(tmp_path):
     import cpu_gemv
     if cpu_gemv.load() is None:
