@@ -8,7 +8,11 @@ import pytest
 from conftest import needs_smollm2
 from launcher import command
 
-QUESTION = "What is the capital of France?"
+# "Name the capital of France." and not "What is the capital of France?": to that one even the float32 model's first
+# answer token "The" leads "L" (a French answer) by only 0.10, less than the rounding of bf16 activations or of the
+# AVX2 int4 prefill's int8 ones moves the logits (rms 0.21 and 0.14 against float32), so it answered in French on
+# one CPU and in English on another; here "The" leads by 1.4-1.6 in every dtype and path
+QUESTION = "Name the capital of France."
 
 
 pytestmark = needs_smollm2
@@ -23,8 +27,6 @@ def run(script, *args, stdin=None):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_imports):
     """{name: (checkpoint, --dtype)}: the GGUF's Q4_1 kept as int4, a float32 import, and int8 quantized from it."""
-    # int4 in bf16 is the case that needs float32 logits: its first answer token "The" is only 0.08 above "L"
-    # (a French answer), less than a bf16 step near 25 (0.125), so bf16 logits tie and argmax took "L"
     d = smollm2_imports
     return {"float32": (d["fp32"], "float32"), "bfloat16": (d["fp32"], "bfloat16"),
             "int8": (d["int8"], "bfloat16"), "int4": (d["int4"], "bfloat16")}
