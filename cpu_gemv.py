@@ -903,8 +903,9 @@ static inline __m256 qk_col8(const float* q, const T* k, float scale, float* s) 
 // o_r += sum_j p[j][r] v_j for RT (1 to 4) rows (p's positions ld apart, o D + 2 apart, o's dimensions in widen16's
 // order) over n positions of V (D apart), 16 dimensions at a time: each V vector widened serves RT rows. Each 32
 // dimensions have weights of their own, cs apart (an int8 V's scales are in them; 0 for bf16: the same weights).
+// ahead steps every 4th position of each pass (pv_steps counts them).
 template <int D, int RT, typename T>
-static inline void pv_tile16(const float* p, int64_t ld, int64_t cs, const T* v, int64_t n, float* o) {
+static inline void pv_tile16(const float* p, int64_t ld, int64_t cs, const T* v, int64_t n, float* o, Stream* ahead) {
     for (int d = 0; d < D; d += 16) {
         const float* pd = p + d / 32 * cs;
         __m256 acc[RT][2];
@@ -917,6 +918,7 @@ static inline void pv_tile16(const float* p, int64_t ld, int64_t cs, const T* v,
                 __m256 pj = _mm256_broadcast_ss(pd + j * ld + r);
                 acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]), acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
             }
+            if (j % 4 == 0) ahead->step();
         }
         for (int r = 0; r < RT; r++)
             for (int i = 0; i < 2; i++) _mm256_storeu_ps(o + r * (D + 2) + d + 8 * i, acc[r][i]);
@@ -933,7 +935,7 @@ static inline int64_t in32(int64_t i) {
 }
 
 template <int D, int RT>
-static inline void pv_tile32(const float* p, int64_t ld, const uint16_t* v, int64_t n, float* o) {
+static inline void pv_tile32(const float* p, int64_t ld, const uint16_t* v, int64_t n, float* o, Stream* ahead) {
     for (int d = 0; d < D; d += 32) {
         __m512 acc[RT][2];
         for (int r = 0; r < RT; r++)
@@ -946,6 +948,7 @@ static inline void pv_tile32(const float* p, int64_t ld, const uint16_t* v, int6
                 __m512 pj = _mm512_set1_ps(p[j * ld + r]);
                 acc[r][0] = _mm512_fmadd_ps(pj, v0, acc[r][0]), acc[r][1] = _mm512_fmadd_ps(pj, v1, acc[r][1]);
             }
+            if (j % 4 == 0) ahead->step();
         }
         for (int r = 0; r < RT; r++)
             for (int i = 0; i < 2; i++) _mm512_storeu_ps(o + r * (D + 2) + d + 16 * i, acc[r][i]);
@@ -958,15 +961,25 @@ static inline int64_t out_slot(int64_t, int64_t d) { return in16(d); }
 static inline int64_t plain(int64_t, int64_t d) { return d; }  // where o keeps d over an int8 cache
 
 template <int D, int RT>
-static inline void pv(const float* p, int64_t ld, int64_t, const uint16_t* v, int64_t n, float* o) {
+static inline void pv(const float* p, int64_t ld, int64_t, const uint16_t* v, int64_t n, float* o, Stream* ahead) {
 #ifdef __AVX512F__
-    if constexpr (D >= 32) return pv_tile32<D, RT>(p, ld, v, n, o);
+    if constexpr (D >= 32) return pv_tile32<D, RT>(p, ld, v, n, o, ahead);
 #endif
-    pv_tile16<D, RT>(p, ld, 0, v, n, o);
+    pv_tile16<D, RT>(p, ld, 0, v, n, o, ahead);
 }
 template <int D, int RT>
-static inline void pv(const float* p, int64_t ld, int64_t cs, const int8_t* v, int64_t n, float* o) {
-    pv_tile16<D, RT>(p, ld, cs, v, n, o);
+static inline void pv(const float* p, int64_t ld, int64_t cs, const int8_t* v, int64_t n, float* o, Stream* ahead) {
+    pv_tile16<D, RT>(p, ld, cs, v, n, o, ahead);
+}
+// the times pv steps its stream over n positions in blocks of BJ, for R rows (4 at a time)
+template <int D, typename T>
+static inline int64_t pv_steps(int64_t n, int64_t BJ, int64_t R) {
+#ifdef __AVX512F__
+    constexpr int64_t passes = sizeof(T) == 2 && D >= 32 ? D / 32 : D / 16;
+#else
+    constexpr int64_t passes = D / 16;
+#endif
+    return passes * ((R + 3) / 4) * (n / BJ * ((BJ + 3) / 4) + (n % BJ + 3) / 4);
 }
 
 // [lo, hi): the positions of [j0, j1) that some row of mask [S, L] attends (lo >= hi: none)
@@ -1017,8 +1030,8 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
     sc.resize(n * R8), pc.resize(NC * n * R8);
     static thread_local vec<float> top;  // each row's highest score, kept as the scores come out
     top.assign(R8, -INFINITY);
-    // K two blocks ahead of the one computed and then all of V, during the scores; the next chunk's first two
-    // blocks of K (the same thread's next task, mostly) during the weighted sum
+    // K two blocks ahead of the one computed (already asked for by the previous task, mostly) and all of V during
+    // the scores; the next chunk's K during the weighted sum
     const int64_t cols = R8 / 8 * n, early = 2 * BJ < n ? 2 * BJ : n;  // the first two blocks, asked for at once
     for (Stream first(k + lo * D, early * W, 1); first.p < first.end;) first.step();
     // (paced every 4th position: asking every position cost 8% of the kernel in instructions)
@@ -1060,8 +1073,11 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
             part[(r + t) * (D + 2)] = mv[t], part[(r + t) * (D + 2) + 1] = lv[t];
     }
     const float* w = NC ? pc.data() : sc.data();
-    const int64_t next = L - j1 < 2 * BJ ? L - j1 : 2 * BJ;
-    Stream ns(k + j1 * D, next * W, (n + BJ - 1) / BJ * ((R + 3) / 4));
+    // all of the next chunk's K (the same thread's next task, mostly), paced through the weighted sum: memory then
+    // streams through both phases, where asking for the first two blocks alone left the rest of K to the scores,
+    // beside all of V (attention alone at 4096 positions, Zen 3: 0.85-0.94x the time)
+    const int64_t next = L - j1 < j1 - j0 ? L - j1 : j1 - j0;
+    Stream ns(k + j1 * D, next * W, pv_steps<D, T>(n, BJ, R));
     for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
         for (int64_t r = 0; r < R; r += 4) {
             const float* p = w + b * R8 + r;
@@ -1069,12 +1085,11 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
             const int64_t nb = BJ < n - b ? BJ : n - b;
             float* o = part + r * (D + 2) + 2;
             switch (R - r < 4 ? R - r : 4) {
-                case 4: pv<D, 4>(p, R8, n * R8, vb, nb, o); break;
-                case 3: pv<D, 3>(p, R8, n * R8, vb, nb, o); break;
-                case 2: pv<D, 2>(p, R8, n * R8, vb, nb, o); break;
-                default: pv<D, 1>(p, R8, n * R8, vb, nb, o);
+                case 4: pv<D, 4>(p, R8, n * R8, vb, nb, o, &ns); break;
+                case 3: pv<D, 3>(p, R8, n * R8, vb, nb, o, &ns); break;
+                case 2: pv<D, 2>(p, R8, n * R8, vb, nb, o, &ns); break;
+                default: pv<D, 1>(p, R8, n * R8, vb, nb, o, &ns);
             }
-            ns.step();
         }
 }
 
