@@ -1075,7 +1075,7 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
     const float* w = NC ? pc.data() : sc.data();
     // all of the next chunk's K (the same thread's next task, mostly), paced through the weighted sum: memory then
     // streams through both phases, where asking for the first two blocks alone left the rest of K to the scores,
-    // beside all of V (attention alone at 4096 positions, Zen 3: 0.85-0.94x the time)
+    // beside all of V (attention alone at 4096 positions, Zen 3: 0.85-0.94x the time in 7 of 9 runs, level in 2)
     const int64_t next = L - j1 < j1 - j0 ? L - j1 : j1 - j0;
     Stream ns(k + j1 * D, next * W, pv_steps<D, T>(n, BJ, R));
     for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
