@@ -971,15 +971,15 @@ template <int D, int RT>
 static inline void pv(const float* p, int64_t ld, int64_t cs, const int8_t* v, int64_t n, float* o, Stream* ahead) {
     pv_tile16<D, RT>(p, ld, cs, v, n, o, ahead);
 }
-// the times pv steps its stream over n positions in blocks of BJ, for R rows (4 at a time)
+// the times pv steps its stream over n positions for R rows (4 at a time): blocks are multiples of 4 positions
 template <int D, typename T>
-static inline int64_t pv_steps(int64_t n, int64_t BJ, int64_t R) {
+static inline int64_t pv_steps(int64_t n, int64_t R) {
 #ifdef __AVX512F__
     constexpr int64_t passes = sizeof(T) == 2 && D >= 32 ? D / 32 : D / 16;
 #else
     constexpr int64_t passes = D / 16;
 #endif
-    return passes * ((R + 3) / 4) * (n / BJ * ((BJ + 3) / 4) + (n % BJ + 3) / 4);
+    return passes * ((R + 3) / 4) * ((n + 3) / 4);
 }
 
 // [lo, hi): the positions of [j0, j1) that some row of mask [S, L] attends (lo >= hi: none)
@@ -1020,6 +1020,7 @@ template <int D, typename T>
 static void attend_chunk(const float* qf, const T* k, const float* ks, const T* v, const float* vs,
                          const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1, float* part) {
     constexpr int64_t BJ = 8192 / D / sizeof(T) < CHUNK ? 8192 / D / sizeof(T) : CHUNK;  // positions per block
+    static_assert(BJ % 4 == 0, "pv_steps counts whole blocks of 4");
     constexpr int64_t NC = sizeof(T) == 1 ? D / 32 : 0, W = D * sizeof(T);  // V's scales a position; bytes a row
     static thread_local vec<float> sc, pc;  // [n][R8] the scores, then the weights; [NC][n][R8] times V's scales
     int64_t lo, hi;
@@ -1077,7 +1078,7 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
     // streams through both phases, where asking for the first two blocks alone left the rest of K to the scores,
     // beside all of V (attention alone at 4096 positions, Zen 3: 0.85-0.94x the time in 7 of 9 runs, level in 2)
     const int64_t next = L - j1 < j1 - j0 ? L - j1 : j1 - j0;
-    Stream ns(k + j1 * D, next * W, pv_steps<D, T>(n, BJ, R));
+    Stream ns(k + j1 * D, next * W, pv_steps<D, T>(n, R));
     for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
         for (int64_t r = 0; r < R; r += 4) {
             const float* p = w + b * R8 + r;
