@@ -51,9 +51,9 @@ RECORDS = {"type": "array", "minItems": 1000, "items": {"type": "object", "addit
                                                      "score": {"type": "number", "minimum": 0, "maximum": 1,
                                                                "multipleOf": 0.125}}}}
 COPY_GIB = {False: 1, True: 4}  # keyed by "on a GPU": well past the last-level cache either way
-# --peer's "kept": our decode at depth over our short decode, in this many pairs of decodes of this many tokens (or
-# --new_tokens, if fewer)
-KEPT_PAIRS, KEPT_TOKENS = 5, 16
+# --peer's "kept": our decode at depth over our decode after KEPT_CONTEXT tokens (half the depth, if less), in this
+# many pairs of decodes of this many tokens (or --new_tokens, if fewer)
+KEPT_PAIRS, KEPT_TOKENS, KEPT_CONTEXT = 5, 16, 100
 
 
 def timed(f, repeats: int, device) -> float:  # median seconds of f()
@@ -241,13 +241,23 @@ def run_transformers(cfg: dict, device):
 
 # ---- --peer llama.cpp: the same checkpoint in llama.cpp, A B A B -------------------------------------------------
 
+def kept(rate, long: list[int], n: int, depth: int) -> float:
+    """The median of KEPT_PAIRS pairs' ratios (%) of our decode of n tokens after depth tokens of context (long's
+    first depth, already in the cache) to one after KEPT_CONTEXT of them (half the depth, if less) right after it.
+    rate(ids, n, cached) -> tokens/s."""
+    # each pair a second or two long: on a shared VM the memory changed speed between a short decode and a decode at
+    # depth ten seconds apart in most rounds (read probes around them), which made their ratio 54-143%
+    short = min(KEPT_CONTEXT, depth // 2)
+    return statistics.median(100 * rate(long[:depth + 1], n, depth) / rate(long[:short + 1], n, short)
+                             for _ in range(KEPT_PAIRS))
+
+
 def serve_peer(cfg: dict):
     """A child process of ours for --peer: load and compile once, warm up, then one measurement per line on stdin
     ("decode", "prefill", "depth_decode" or "kept"), as one JSON number: decode is batch 1, new_tokens after a
     one-token prompt; prefill a `prefill`-token prompt; depth_decode new_tokens after `depth` tokens of context (all
-    three in tokens/s); kept the median of KEPT_PAIRS pairs' ratios (%) of a decode at depth to a short decode run
-    right after it. That context is random keys and values written straight into the cache: attention's cost
-    depends on its length, not its values, and prefilling 4k tokens would take minutes per round here."""
+    three in tokens/s); kept (see kept). That context is random keys and values written straight into the cache:
+    attention's cost depends on its length, not its values, and prefilling 4k tokens would take minutes per round."""
     device = resolve_device(cfg["device"])
     torch.manual_seed(0)
     model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
@@ -278,10 +288,7 @@ def serve_peer(cfg: dict):
                     t[:, :, :depth] = 1 / 64  # values of about the size normal_() gives
         if kind == "depth_decode":
             return rate(long, n, depth)
-        # each pair a second or two long: on a shared VM the memory changed speed between a short decode and a decode
-        # at depth ten seconds apart in most rounds (read probes around them), which made their ratio 54-143%
-        k = min(KEPT_TOKENS, n)
-        return statistics.median(100 * rate(long, k, depth) / rate(prompt[:1], k) for _ in range(KEPT_PAIRS))
+        return kept(rate, long, min(KEPT_TOKENS, n), depth)
 
     for kind in ("decode", "prefill", "depth_decode", "kept")[:4 if depth else 2]:  # compiles every step and length
         measure(kind)
@@ -431,7 +438,8 @@ def peer(args, device, tools: Path) -> list[dict]:
 
 def print_peer(r: dict, header: bool, depth: int, prefill: int):
     if header:
-        d = f" | decode at {depth}: ours | llama.cpp | ratio | ours, {depth} vs short" if depth else ""
+        d = f" | decode at {depth}: ours | llama.cpp | ratio | ours, {depth} vs {min(KEPT_CONTEXT, depth // 2)}" \
+            if depth else ""
         print(f"\n| weights | llama.cpp | CPU | decode tok/s: ours | llama.cpp | ratio | ours GB/s | read GB/s "
               f"| % of read | prefill {prefill} tok/s: ours | llama.cpp | ratio{d} |")
         print("| --- | --- | --- |" + " ---: |" * (9 + (4 if depth else 0)))

@@ -16,7 +16,7 @@ from conftest import errors_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench import memory_changed, round_plan  # noqa: E402
+from bench import kept, memory_changed, round_plan  # noqa: E402
 from convert_gguf import convert_gguf  # noqa: E402
 from llama_cpp import llama_bench, write_gguf  # noqa: E402
 
@@ -107,6 +107,19 @@ def test_kept_runs_right_beside_our_decode_at_depth_in_either_order():
         plan = round_plan(True, mirrored)
         i = plan.index(("ours", "depth_decode"))
         assert plan[i + (-1 if mirrored else 1)] == ("ours", "kept") and ("theirs", "kept") not in plan
+
+
+def test_kept_compares_the_decode_at_depth_with_one_after_100_tokens_of_context():
+    calls = []
+
+    def rate(ids, n, cached):  # 10 tok/s at depth, 20 after a short context
+        calls.append((len(ids), n, cached))
+        return 10.0 if cached == 4096 else 20.0
+    assert kept(rate, list(range(5000)), 16, 4096) == 50.0
+    assert calls == [(4097, 16, 4096), (101, 16, 100)] * 5  # each pair at depth first, then right beside it
+    calls.clear()
+    kept(rate, list(range(5000)), 8, 150)  # a depth under 200: half of it
+    assert calls[:2] == [(151, 8, 150), (76, 8, 75)]
 
 
 def test_a_round_whose_probes_differ_by_over_a_quarter_is_marked_as_the_memory_changing():
