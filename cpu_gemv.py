@@ -173,9 +173,10 @@ static inline __m128i to_bf16x8(__m256 v) {  // packed
     return _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 
-static inline __m256 widen8(const uint16_t* p) {  // 8 bf16 -> 8 fp32
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+static inline __m256 widen8(__m128i b) {  // 8 bf16 -> 8 fp32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
+static inline __m256 widen8(const uint16_t* p) { return widen8(_mm_loadu_si128((const __m128i*)p)); }
 
 // y[i] = v, as bf16, or as fp32 where the caller asked for it (the output head: logits a bf16 step apart tie)
 static inline void put(void* y, int64_t i, float v, int64_t f32) {
@@ -295,8 +296,8 @@ static void prepare(const uint16_t* x, int64_t K, int64_t B, int span, XQ& p) {
     }
     if (span)  // by 64 whatever the block: a 32-byte load of weights holds 64 of them (two groups of 32)
         for (int64_t j = 0; j < K; j += 64) even_odd(&p.q[j]);
-    if (span == 128)  // [evens, odds, evens, odds] by 32 -> [evens, odds] by 64: the middle two swap
-        for (int64_t j = 0; j < K; j += 128) {
+    if (span == 128)  // [evens, odds, evens, odds] by 32 -> [evens, odds] by 64: the middle two swap (a last 64
+        for (int64_t j = 0; j + 128 <= K; j += 128) {  // stay in 64's order)
             __m256i a = _mm256_loadu_si256((const __m256i*)&p.q[j + 32]);
             _mm256_storeu_si256((__m256i*)&p.q[j + 32], _mm256_loadu_si256((const __m256i*)&p.q[j + 64]));
             _mm256_storeu_si256((__m256i*)&p.q[j + 64], a);
@@ -410,22 +411,7 @@ static inline __m512i dot128(__m512i a, const uint8_t* w, const int8_t* x) {
 template <int G>
 static inline __m512 group_products_wide(const uint8_t* w, const int8_t* x, int n, __m256 sd, __m512 acc) {
     const __m512 s = _mm512_castps256_ps512(sd);
-    if (G == 32)  // a step holds four groups, a quarter each
-        for (int i = 0; i < n; i += 4) {
-            ahead(w + 16 * i, AHEAD4);
-            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i),
-                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 16 * i, x + 32 * i)),
-                                  _mm512_permutexvar_ps(pick, s), acc);
-        }
-    else if (G == 64)  // a step holds two groups, one in each half
-        for (int i = 0; i < n; i += 2) {
-            ahead(w + 32 * i, AHEAD4);
-            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 32 * i, x + 64 * i)),
-                                  _mm512_permutexvar_ps(pick, s), acc);
-        }
-    else
+    if constexpr (G >= 128) {
         for (int i = 0; i < n; i++) {
             __m512i a = _mm512_setzero_si512();
             for (int j = 0; j < G / 128; j++) {
@@ -434,6 +420,30 @@ static inline __m512 group_products_wide(const uint8_t* w, const int8_t* x, int 
             }
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(_mm512_set1_epi32(i), s), acc);
         }
+        return acc;
+    }
+    int i = 0;
+    if (G == 32)  // a step holds four groups, a quarter each
+        for (; i + 4 <= n; i += 4) {
+            ahead(w + 16 * i, AHEAD4);
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i),
+                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 16 * i, x + 32 * i)),
+                                  _mm512_permutexvar_ps(pick, s), acc);
+        }
+    else  // G 64: a step holds two groups, one in each half
+        for (; i + 2 <= n; i += 2) {
+            ahead(w + 32 * i, AHEAD4);
+            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 32 * i, x + 64 * i)),
+                                  _mm512_permutexvar_ps(pick, s), acc);
+        }
+    if (i < n) {  // G 32 or 64 with K 64 short of a multiple of 128: the row's last 64 weights (x in 64's order there)
+        const __m256i pick = G == 32 ? _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1) : _mm256_set1_epi32(i);
+        const __m256 half = _mm256_mul_ps(_mm256_cvtepi32_ps(dot64(w + G / 2 * i, x + G * i)),
+                                          _mm256_permutexvar_ps(pick, sd));
+        acc = _mm512_add_ps(acc, _mm512_zextps256_ps512(half));
+    }
     return acc;
 }
 #endif
@@ -469,8 +479,13 @@ static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i*
 // sum (q - 8) x ~ d * (sum q xq) - 8 c. The float work is done 8 groups at a time: the 8 groups' integer sums are
 // gathered into one vector, converted and scaled together (each group on its own took 1.08x the time, one core, L2,
 // Zen 5). wide: AVX-512 VNNI steps of 128 weights (x in even-odd order by 128): 1.2-1.3x as fast as 256-bit
-// steps there (one core, L3); their float work is per step instead (group_products_wide). Returns 8 lanes that add
-// up to the row's product.
+// steps there (one core, L3); their float work is per step instead (group_products_wide). A row 64 short of a
+// multiple of 128 (SmolLM2's 576 columns) ends in a 256-bit step, and with G 32 or 64 the last groups past a
+// multiple of 8 are scaled in one masked vector: from L3 (Zen 4, two cores) products of 576 columns read 1.6x as
+// fast in groups of 32, 1.2x in groups of 64, as 256-bit steps with those groups in scalars did (SmolLM2's Q4_1
+// step: 0.90-0.94x the time). With G 128 the masked groups, though faster from L3, left TinyLlama's int4 step 1.03x
+// as long with the memory fast (46 rounds), so they stay scalar there. Returns 8 lanes that add up to the row's
+// product.
 template <int G, bool wide>
 static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
     __m256 total = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
@@ -485,6 +500,14 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
             sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
             rest = _mm256_fmadd_ps(widen8(zeros + g0), _mm256_loadu_ps(&p.sum[g0]), rest);
             rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), rest);
+#if WIDE
+        } else if (G <= 64) {  // the last few groups, masked: nothing read past the row (p's d, c, sum are 0 there)
+            const __mmask8 live = (__mmask8)((1u << (groups - g0)) - 1);
+            __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales + g0));
+            sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
+            rest = _mm256_fmadd_ps(widen8(_mm_maskz_loadu_epi16(live, zeros + g0)), _mm256_loadu_ps(&p.sum[g0]), rest);
+            rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), rest);
+#endif
         } else {
             alignas(32) float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             float r = 0.f;
@@ -534,7 +557,8 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
         const int n = groups - g0 < 8 ? groups - g0 : 8;
 #if WIDE
         if (wide) {
-            wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, sd, wacc);
+            if (G <= 64 && n == 8) wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], 8, sd, wacc);
+            else wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, sd, wacc);
             continue;
         }
 #endif
@@ -767,7 +791,7 @@ extern "C" void gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* s
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ>& xq = xq_;
     xq.resize(M);
-    const bool wide = WIDE && M == 1 && K % 128 == 0;
+    const bool wide = WIDE && M == 1;
     #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, wide ? 128 : 64, xq[m]);
     if (M > 1) {
