@@ -557,6 +557,7 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
         const int n = groups - g0 < 8 ? groups - g0 : 8;
 #if WIDE
         if (wide) {
+            // a constant 8 unrolls the steps: with n alone, 1536 columns in groups of 32 read 0.8x as fast from L3
             if (G <= 64 && n == 8) wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], 8, sd, wacc);
             else wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, sd, wacc);
             continue;
