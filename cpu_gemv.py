@@ -486,6 +486,13 @@ static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i*
 // step: 0.90-0.94x the time). With G 128 the masked groups, though faster from L3, left TinyLlama's int4 step 1.03x
 // as long with the memory fast (46 rounds), so they stay scalar there. Returns 8 lanes that add up to the row's
 // product.
+// 8 groups' scales s and zeros z (from g0): sd = s x d, and rest += z x sum x - 8 s x c
+static inline void group_scales(__m256 s, __m256 z, const XQ& p, int64_t g0, __m256* sd, __m256* rest) {
+    *sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
+    *rest = _mm256_fmadd_ps(z, _mm256_loadu_ps(&p.sum[g0]), *rest);
+    *rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), *rest);
+}
+
 template <int G, bool wide>
 static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
     __m256 total = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
@@ -496,17 +503,12 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         __m256 sd;  // scale * d per group
         if (g0 + 8 <= groups) {
-            __m256 s = widen8(scales + g0);
-            sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
-            rest = _mm256_fmadd_ps(widen8(zeros + g0), _mm256_loadu_ps(&p.sum[g0]), rest);
-            rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), rest);
+            group_scales(widen8(scales + g0), widen8(zeros + g0), p, g0, &sd, &rest);
 #if WIDE
         } else if (G <= 64) {  // the last few groups, masked: nothing read past the row (p's d, c, sum are 0 there)
             const __mmask8 live = (__mmask8)((1u << (groups - g0)) - 1);
-            __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales + g0));
-            sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
-            rest = _mm256_fmadd_ps(widen8(_mm_maskz_loadu_epi16(live, zeros + g0)), _mm256_loadu_ps(&p.sum[g0]), rest);
-            rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), rest);
+            group_scales(widen8(_mm_maskz_loadu_epi16(live, scales + g0)),
+                         widen8(_mm_maskz_loadu_epi16(live, zeros + g0)), p, g0, &sd, &rest);
 #endif
         } else {
             alignas(32) float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
