@@ -60,9 +60,11 @@ class Step:
         return self.logits
 
     def greedy(self, cur: Tensor, input_pos: Tensor) -> int:
-        """The step's greedy token, as generate.sample picks it at temperature 0 (-1: a logit is not finite)."""
-        self(cur, input_pos)
-        return self.cpp.greedy(self.logits)
+        """The step's greedy token, as generate.sample picks it at temperature 0 (-1: a logit is not finite); its
+        logits are in the step's buffer, as after a call."""
+        token, pos = int(cur), int(input_pos)
+        self.check(token, pos)
+        return self.cpp.step_greedy(token, pos, self.logits)
 
     def greedy_loop(self, token: int, pos: int, out: Tensor, eos: Optional[Tensor]) -> int:
         """Greedy decoding from token at slot pos into out [n] int64, a step a token, each fed the last pick: until

@@ -144,7 +144,14 @@ struct Step : torch::CustomClassHolder {
     // logits [1, vocab] float32 of token at cache slot pos
     void step(int64_t token, int64_t pos, const Tensor& logits) { k.decode_step(m, token, pos, ptr<float>(logits)); }
 
+    // the greedy token of logits [1, vocab]: the first largest, or -1 where one is not finite
     int64_t greedy(const Tensor& logits) { return k.greedy(ptr<float>(logits), logits.numel()); }
+
+    // step, then greedy: one call from Python a token
+    int64_t step_greedy(int64_t token, int64_t pos, const Tensor& logits) {
+        step(token, pos, logits);
+        return greedy(logits);
+    }
 
     // greedy decoding from token at slot pos into out [n] int64, until an id of eos [E] int64; the tokens written
     int64_t greedy_loop(int64_t token, int64_t pos, const Tensor& out, const Tensor& eos, const Tensor& logits) {
@@ -169,6 +176,7 @@ TORCH_LIBRARY(fast_decode, m) {
         .def("add_layer", &Step::add_layer)
         .def("step", &Step::step)
         .def("greedy", &Step::greedy)
+        .def("step_greedy", &Step::step_greedy)
         .def("greedy_loop", &Step::greedy_loop);
 }
 

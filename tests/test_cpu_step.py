@@ -98,8 +98,9 @@ def test_compiled_decoding_runs_the_step_and_gives_eager_tokens(monkeypatch):
     prompts = [[1, 40, 41, 42], [1, 99, 7, 8, 9, 10, 11, 12, 13]]
     eager = [generate(model, [p], 40, temperature=0.0).rows[0] for p in prompts]
     calls = []
-    run = cpu_step.Step.__call__
-    monkeypatch.setattr(cpu_step.Step, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    for name in ("__call__", "greedy"):  # logits to sample from, or the greedy pick
+        run = getattr(cpu_step.Step, name)
+        monkeypatch.setattr(cpu_step.Step, name, lambda self, *a, run=run: calls.append(1) or run(self, *a))
     steps = gen.build_steps(compile=True)
     shown = []  # a callback sees each token as it comes: a step at a time from Python
     assert [generate(model, [p], 40, steps=steps, temperature=0.0, callback=shown.append).rows[0]
@@ -114,6 +115,7 @@ def test_greedy_decoding_without_a_callback_is_one_c_plus_plus_loop_with_eager_t
     run = cpu_step.Step.greedy_loop
     monkeypatch.setattr(cpu_step.Step, "greedy_loop", lambda self, *a: loops.append(run(self, *a)) or loops[-1])
     monkeypatch.setattr(cpu_step.Step, "__call__", lambda *a: pytest.fail("a step from Python"))
+    monkeypatch.setattr(cpu_step.Step, "greedy", lambda *a: pytest.fail("a step from Python"))
     result = generate(model, [[1, 40, 41, 42]], 40, steps=gen.build_steps(compile=True), temperature=0.0)
     assert result.rows[0] == eager and loops == [39] and result.forwards == 39
 
