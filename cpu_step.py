@@ -13,6 +13,7 @@ the two alternating: on TinyLlama's shape (Zen 4) the compiled int4 step took 1.
 It runs what it can run exactly as model.py does (the same bf16 roundings, the same cache), and says None to the
 rest, which then takes the compiled step: batches, left padding, token trees, float32 models, torch's kernels,
 tensor parallelism (its all-reduces are modules this step does not know)."""
+import sys
 from typing import Optional
 
 import torch
@@ -120,7 +121,45 @@ def step_for(model: Transformer) -> Optional[Step]:
                                          a.n_kv_head, a.sliding_window or 0, a.norm_eps)
     for layer in layers:
         cpp.add_layer(*layer)
-    return Step(model, cpp)
+    step = Step(model, cpp)
+    if "_cpu_step_agrees" not in model.__dict__:  # warm-up: once a model
+        model.__dict__["_cpu_step_agrees"] = agrees(model, step)
+    return step if model.__dict__["_cpu_step_agrees"] else None
+
+
+TOLERANCE = 5e-2  # the logits' relative distance that bf16 roundings in another order stay well below
+
+
+@torch.no_grad()
+def agrees(model: Transformer, step: Step, token: int = 1) -> bool:
+    """Whether the step gives the logits model.py's forward gives, for one token at one position: the step is a
+    second implementation of that forward, and one edited without the other must not decode. The cache slot both
+    write is restored. On a mismatch one line on stderr says so."""
+    pos = min(4, model.max_seq_length - 1)  # a few slots before it: the attention's scale and softmax count
+    cache = [t for b in model.layers for t in (b.attention.kv_cache.k_cache, b.attention.kv_cache.v_cache,
+                                               b.attention.kv_cache.k_scale, b.attention.kv_cache.v_scale)
+             if t is not None]
+    saved = [t[:, :, pos].clone() for t in cache]
+    try:
+        step.cpp.step(token, pos, step.logits)
+        got = step.logits.clone()  # [1, V]
+        want = model(torch.tensor([[token]]), torch.tensor([pos]))[:, -1].float()  # [1, V]
+    finally:
+        for t, s in zip(cache, saved):
+            t[:, :, pos] = s
+    finite = want.isfinite()
+    if torch.equal(finite, got.isfinite()):  # a damaged model: the step's NaNs where the forward has them
+        if not finite.any():
+            return True
+        distance = ((got - want)[finite].norm() / want[finite].norm()).item()
+        if distance < TOLERANCE:
+            return True
+        why = f"logits {distance:.1%} apart"
+    else:
+        why = "logits not finite where the other's are"
+    print(f"cpu_step: the C++ step does not match model.py's forward ({why} for one token; was model.py changed?): "
+          f"decoding takes the compiled step", file=sys.stderr)
+    return False
 
 
 def step(model: Transformer, loop: Tensor) -> Optional[Step]:

@@ -10,7 +10,7 @@ import generate as gen
 import quantize
 from checkpoint import load_model
 from generate import DEFAULT_CHECKPOINT, generate
-from model import ModelArgs, Transformer
+from model import ModelArgs, RMSNorm, Transformer
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
 TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
@@ -221,3 +221,30 @@ def test_a_token_or_position_outside_the_model_is_an_error_not_a_read_out_of_bou
         step(torch.tensor([[3]]), torch.tensor([256]))
     with pytest.raises(ValueError, match="outside the model"):  # the loop's last position past the cache
         step.greedy_loop(3, 250, torch.zeros(7, dtype=torch.int64), None)
+
+
+def test_an_unchanged_model_passes_the_step_s_check_and_nothing_is_said(capsys):
+    assert cpu_step.step_for(tiny("int4")) is not None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_step_s_check_leaves_the_cache_as_it_was():
+    model = tiny(kv=torch.int8)
+    with torch.inference_mode():
+        model(torch.randint(0, 320, (1, 9)), torch.arange(9))  # a prompt in the slots the check writes and reads
+    before = [t.clone() for t in model.buffers()]
+    assert cpu_step.step_for(model) is not None
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+def test_a_changed_model_py_forward_takes_the_compiled_step_and_one_line_says_why(monkeypatch, capsys):
+    # a fork that edits model.py's forward and not the C++ step: here every RMSNorm's output scaled
+    norm = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: norm(self, x) * 1.5)
+    model = tiny()
+    eager = generate(model, [[1, 40, 41, 42]], 12, temperature=0.0).rows[0]
+    steps = gen.build_steps(compile=True)
+    assert generate(model, [[1, 40, 41, 42]], 12, steps=steps, temperature=0.0).rows[0] == eager
+    assert cpu_step.step_for(model) is None
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cpu_step")]
+    assert len(said) == 1 and said[0].startswith("cpu_step: the C++ step does not match model.py's forward (logits ")
