@@ -75,7 +75,7 @@ def targets(flags: set[str]) -> list[tuple[str, list[Path], list[str]]]:
         sources = [CSRC / "bf16_avx512.cpp", *(CSRC / s for s in SET_SOURCES)]
         base = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
         extra = [f for f in ("avx512_bf16", "avx512_vnni") if f in flags]
-        # cores with less than 48 KB of L1 prefetch otherwise: HOW_IT_WORKS.md, "Prefetching on a small L1"
+        # cores with less than 48 KB of L1 prefetch otherwise: HOW_IT_WORKS.md, "Prefetching the weights on a small L1"
         small_l1 = ["-DKV_HINT=_MM_HINT_T1", "-DKV_AHEAD=7168", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"]
         small_l1 = small_l1 if 0 < l1_data_kb() < 48 else []
         if extra:  # the plain AVX-512 set too, second: a test can run both
@@ -219,6 +219,7 @@ def register_fakes():
                                      torch.empty_like(q, memory_format=torch.contiguous_format))
     fake("fast_decode::dequantize_int4")(lambda w, scales, zeros, f32: w.new_empty(
         w.size(0), 2 * w.size(1), dtype=torch.float32 if f32 else torch.bfloat16))
+    fake("fast_decode::gemm_int8")(lambda x, w, scales, dtype: x.new_empty(*x.shape[:-1], w.size(0), dtype=dtype))
 
 
 def few_rows(x: Tensor) -> bool:  # decode, verification, short prompts; inference only: the ops have no backward
@@ -292,10 +293,10 @@ def fastest(what: str, candidates: dict) -> str:
 
 def prefill_dtype(n: int, k: int) -> torch.dtype:
     """The faster dtype here for a prefill-sized product (PROBE_ROWS rows) with a bf16 [n, k] weight: bf16, or fp32
-    with the weight converted on the fly. CPUs without bf16 matrix instructions run torch's bf16 GEMM at a fifth
-    of its fp32 speed or less; with them bf16 wins (a slow bf16 GEMM takes about a second here). At MAX_ROWS rows
-    the two are close (converting the weight costs as much as the product), so that is no place to measure. At
-    most 4096 of the weight's rows: speed per FLOP is the same."""
+    with the weight converted on the fly: CPUs without bf16 matrix instructions run torch's bf16 GEMM far slower
+    than its fp32 one (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU"). At MAX_ROWS rows the two are close (converting the
+    weight costs as much as the product), so that is no place to measure. At most 4096 of the weight's rows: speed
+    per FLOP is the same."""
     n = min(n, 4096)
     x, w = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
     return getattr(torch, fastest(f"{PROBE_ROWS} rows, {n}x{k}", {
@@ -305,9 +306,8 @@ def prefill_dtype(n: int, k: int) -> torch.dtype:
 
 def prefill_in_kernel(layer: nn.Module, dtype: torch.dtype) -> bool:
     """Whether a quantized layer (GemvInt8, GemvInt4) multiplies many rows (prefill) faster here in its kernel (x
-    rounded to int8, integer multiply-adds) than through torch's GEMM in dtype. On AVX2 the kernel is faster (int4
-    about 1.7x, int8 1.2-1.3x at 256-512 rows); a CPU with bf16 matrix tiles may well run torch's faster. Timed on
-    at most 4096 of the layer's rows."""
+    rounded to int8, integer multiply-adds) than through torch's GEMM in dtype: which one wins depends on the CPU
+    (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU"). Timed on at most 4096 of the layer's rows."""
     n = min(layer.weight.size(0), 4096)
     if isinstance(layer, GemvInt8):
         probe, what = GemvInt8(layer.weight[:n], layer.scales[:n], dtype), "int8"
@@ -358,8 +358,7 @@ TILE_BYTES = 4 << 20  # fp32 weights converted at a time (0: the whole matrix at
 def linear_f32_tiles(x: Tensor, w: Tensor) -> Tensor:  # [..., K] x bf16 [N, K] -> [..., N] float32
     """Many rows times a bf16 weight in fp32, the weight converted a tile of rows at a time, so that the GEMM reads
     each converted tile from cache: the whole matrix converted at once went to memory and back, into pages freshly
-    mapped (and zeroed) every call. A 512-token TinyLlama bf16 prefill on a Zen 3 (AVX2), alternating in one
-    process: tiles of 4 MB 1.17-1.18x as fast as the whole matrix, 8 MB 1.15x, 2 MB 1.09x, 1 MB 0.96x."""
+    mapped (and zeroed) every call (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU")."""
     x, rows = x.float(), max(1, TILE_BYTES // (4 * w.size(1)))
     return torch.cat([F.linear(x, w[i:i + rows].float()) for i in range(0, w.size(0), rows)], dim=-1)
 
@@ -380,7 +379,10 @@ class GemvInt8(nn.Module):
         if few_rows(x) or (self.kernel_prefill and not (torch.is_grad_enabled() and x.requires_grad)):
             return torch.ops.fast_decode.gemv_int8(x, self.weight, self.scales, self.f32)
         # the int8 weight holds its values exactly in either dtype; the scale, per output, applies after the product
-        y = F.linear(x.to(self.dtype), self.weight.to(self.dtype)) * self.scales.to(self.dtype)
+        if torch.is_grad_enabled() and x.requires_grad:  # torch's ops, which have a backward
+            y = F.linear(x.to(self.dtype), self.weight.to(self.dtype)) * self.scales.to(self.dtype)
+        else:  # as one op, which a compiled prefill runs as it is (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU")
+            y = torch.ops.fast_decode.gemm_int8(x, self.weight, self.scales, self.dtype)
         return y.to(torch.float32 if self.f32 else x.dtype)
 
 
@@ -408,8 +410,7 @@ class GemvInt4(nn.Module):
 
     def dequantized_product(self, x: Tensor) -> Tensor:  # [M, K'] -> [M, N] in self.dtype
         """x @ w.T through torch's GEMM, w dequantized about 4 MB of rows at a time: dequantized whole, a full-size
-        copy went to fresh pages on every call, where a tile stays in cache and its memory is reused (a 512-token
-        prefill ran 1.16x as fast on a Zen 5)."""
+        copy went to fresh pages on every call, where a tile stays in cache and its memory is reused."""
         f32 = self.dtype == torch.float32
         rows = max(64, (4 << 20) // (x.size(-1) * (4 if f32 else 2)) // 64 * 64)
         x = x.to(self.dtype)

@@ -1,18 +1,16 @@
 """A batch-1 decode step on a CPU as one C++ call: model.py's forward for one token, on cpu_gemv.py's kernels.
 
 The compiled step (torch.compile's C++ wrapper) runs the same kernels, but pays a fixed cost every step that a CPU
-cannot hide: dynamo's guard check (about 0.5 ms, its ~2000 Python objects evicted by the step's weight stream),
-gathering the graph's ~360 inputs, and at each of the ~90 joins between products an inductor kernel and a boxed
-op call. On TinyLlama's shape that was 2.3-2.6 ms of a 12.3-13.2 ms int4 step (Zen 4), the products alone reading
-at 84-94% of the memory's speed. Here the step is a loop over the layers in C++: RMSNorm, RoPE, the cache write
-and the SiLU on one thread (a few thousand values each), the products and the attention on the kernels' threads,
-scratch kept between steps, and no Python, allocation or dispatch between them. scripts/bench_cpu_step.py times
-the two alternating: on TinyLlama's shape (Zen 4) the compiled int4 step took 1.07-1.15x this one's time, int8
-1.04-1.09x, bf16 0.98-1.07x; on SmolLM2-135M (30 thin layers) 1.41x.
+cannot hide: dynamo's guard check, gathering the graph's inputs, and at each join between products an inductor
+kernel and a boxed op call. Here the step is a loop over the layers in C++ (csrc/step.cpp): RMSNorm, RoPE, the
+cache write and the SiLU on one thread, the products and the attention on the kernels' threads, scratch kept
+between steps, and no Python, allocation or dispatch between them. HOW_IT_WORKS.md, "Batch-1 decoding on a CPU is
+one C++ call", has what it saves; scripts/bench_cpu_step.py times the two alternating.
 
 It runs what it can run exactly as model.py does (the same bf16 roundings, the same cache), and says None to the
 rest, which then takes the compiled step: batches, left padding, token trees, float32 models, torch's kernels,
-tensor parallelism (its all-reduces are modules this step does not know)."""
+tensor parallelism (its all-reduces are modules this step does not know). Being a second implementation of that
+forward, it checks itself against it when first made for a model (agrees)."""
 import sys
 from typing import Optional
 

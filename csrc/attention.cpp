@@ -1,10 +1,11 @@
 #include "common.h"
 #include "kernels.h"
 
-// ---- attention for a few query rows (decode, verification) over the KV cache (bf16; int8 further down) -----------
-// torch's CPU attention costs ~0.2 ms a layer at any context and ~10 ms at 4k; this one streams K and V once per KV
+// Attention for a few query rows (decode, verification) over the KV cache (bf16; int8 further down). torch's CPU
+// attention has a high fixed cost a layer and reads slowly at long contexts; this one streams K and V once per KV
 // head for all the query rows that share it (grouped-query attention), split along the context so that every core
-// has work, as flash-decoding does, and merges the parts with their softmax maxima.
+// has work, as flash-decoding does, and merges the parts with their softmax maxima. HOW_IT_WORKS.md, "Attention for
+// a few query rows".
 
 static inline __m256 exp8(__m256 x) {  // e^x for x <= 0 (x >= -87.3; less gives 0), relative error ~2e-7
     const __m256 lo = _mm256_set1_ps(-87.3f);
@@ -33,9 +34,8 @@ static inline float hmax8(__m256 v) {
 static constexpr int64_t CHUNK = 256;  // the fewest cache positions a task takes
 
 // cache positions per task: 256 to 1024, about 16 tasks over `heads` KV heads whatever the count of threads (the
-// results do not depend on it). Each task sets up, and starts its streams of K and V cold: at 4096 positions x 4 KV
-// heads x 22 layers on a Zen 4 (2 threads), 1024 took 0.95-0.96x the time of 256 from L3 and 0.90-0.97x from memory
-// (medians of rounds alternating the two).
+// results do not depend on it). Each task sets up, and starts its streams of K and V cold, so longer tasks are
+// quicker at long contexts.
 static inline int64_t chunk_for(int64_t L, int64_t heads) {
     const int64_t c = (L * heads / 16 + CHUNK - 1) / CHUNK * CHUNK;
     return c < CHUNK ? CHUNK : c > 4 * CHUNK ? 4 * CHUNK : c;
@@ -119,8 +119,8 @@ static inline void pv_tile16(const float* p, int64_t ld, int64_t cs, const T* v,
 }
 
 #ifdef __AVX512F__
-// pv_tile16 in 512-bit vectors, 32 dimensions a step (D 32 or more): half the instructions, and on a Zen 5 512-bit
-// FMAs issue at the 256-bit rate (attention over 4096 positions took 0.80x as long). Unpacking 32 bf16 under zeros
+// pv_tile16 in 512-bit vectors, 32 dimensions a step (D 32 or more): half the instructions, where 512-bit FMAs
+// issue at the 256-bit rate. Unpacking 32 bf16 under zeros
 // gives dimensions 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23, 28-31: o is kept in that order (in32).
 static inline int64_t in32(int64_t i) {
     int64_t j = i % 32, lane = j / 8, w = j % 8;
@@ -206,8 +206,8 @@ static inline void clear(float* part, int64_t R, int64_t D) {  // R rows that se
 // and the unnormalized output (D values, in out_slot's order, or plain over int8) to part [R][D + 2]. Only the span
 // of positions some row attends is read (a short context in a longer cache skips the rest), in blocks of 8 KB that
 // stay in L1 while the rows go over them (8 at a time for the scores, 4 for the weighted sum), widening K and V in
-// registers. At 4k positions, an fp32 copy of each block took 28% longer, and leaving the reads to the hardware
-// prefetcher 20% longer. Over an int8 cache (T int8_t) ks holds K's scale per position, and vs V's per position and
+// registers (quicker than an fp32 copy of each block), K and V asked for ahead of the reads. Over an int8 cache
+// (T int8_t) ks holds K's scale per position, and vs V's per position and
 // 32 dimensions (D / 32 a position): they multiply the scores, and the weights of each 32 dimensions.
 template <int D, typename T>
 static void attend_chunk(const float* qf, const T* k, const float* ks, const T* v, const float* vs,
@@ -228,7 +228,7 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
     // the scores; the next chunk's K during the weighted sum
     const int64_t cols = R8 / 8 * n, early = 2 * BJ < n ? 2 * BJ : n;  // the first two blocks, asked for at once
     for (Stream first(k + lo * D, early * W, 1); first.p < first.end;) first.step();
-    // (paced every 4th position: asking every position cost 8% of the kernel in instructions)
+    // (paced every 4th position: asking every position costs instructions)
     Stream kstream(k + (lo + early) * D, (n - early) * W, cols / 4), vstream(v + lo * D, n * W, cols / 4);
     for (int64_t b = 0; b < n; b += BJ)  // scores: a block of K stays in L1 for every row
         for (int64_t r = 0; r < R8; r += 8) {
@@ -269,7 +269,7 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
     const float* w = NC ? pc.data() : sc.data();
     // all of the next chunk's K (the same thread's next task, mostly), paced through the weighted sum: memory then
     // streams through both phases, where asking for the first two blocks alone left the rest of K to the scores,
-    // beside all of V (attention alone at 4096 positions, Zen 3: 0.85-0.94x the time in 7 of 9 runs, level in 2)
+    // beside all of V
     const int64_t next = L - j1 < j1 - j0 ? L - j1 : j1 - j0;
     Stream ns(k + j1 * D, next * W, pv_steps<D, T>(n, R));
     for (int64_t b = 0; b < n; b += BJ)  // the weights times V: a block of V stays in L1 for every row
@@ -309,8 +309,8 @@ static inline void transpose16(__m512i* r) {
 
 // 2^x to about 1.2e-4 in the lanes keep sets, 0 in the others and for x <= -125: x rounded to sixteenths by adding
 // GRID, 2^(i/16) looked up in registers, and a line for 2^r on |r| <= 1/32. One FMA where a degree-3 polynomial took
-// three, besides a max, a roundscale and a scalef: FMAs wait on the units dpbf16 runs on (the bf16 attention over
-// 4096 positions x 22 layers, Zen 4: 0.98x the time from L3). The attention's weights are rounded to 8 bits after
+// three, besides a max, a roundscale and a scalef: FMAs wait on the units dpbf16 runs on. The attention's weights
+// are rounded to 8 bits after
 // it (bf16, a step of 4e-3, or uint8 over an int8 cache), so a closer 2^x changes nothing they keep.
 static constexpr float GRID = 786432.f;  // 1.5 x 2^19: sums near it are rounded to sixteenths
 static inline __m512 exp2_grid(__m512 x, __mmask16 keep) {
@@ -368,14 +368,9 @@ static inline void raise_max(float* row, float m, int64_t D) {
 // With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
 // instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
 // it, as transformers' eager attention rounds them in a bf16 model. K and V are asked for KV_AHEAD bytes ahead of
-// their reads, into L1: over 4096 positions x 22 layers on a Zen 5, 2 and 8 KB ahead took 2-3% longer, 1 and 16 KB 14%,
-// the hardware prefetcher alone 73%; the T1 hint 31% longer, NTA the same. A core with less L1 than a Zen 5's 48 KB
-// asks into L2 instead (KV_HINT, set by cpu_gemv.targets): on a Zen 4 (32 KB) a block's 8 KB of K and of V with the
-// next block's asked for did not fit, and with T1 the attention took 0.64-0.66x the time it took with T0 (over an
-// int8 cache, attend_chunk_int8, 0.71x). There, over a cache in 2 MB pages (model.cache_zeros), 7 KB ahead took
-// 0.91-0.97x the time of 4 KB (40-60 alternating rounds, memory fast and slow; 5 KB 0.93-0.95x, 6 KB 0.96-0.97x, 8 KB,
-// past the block, 1.07x), and the compiled int4 step's extra time at 4096 positions 0.92x (14 rounds): KV_AHEAD is
-// 7168 there (cpu_gemv.targets).
+// their reads, into L1; a core with less than 48 KB of L1, where a block's K and V with the next block's do not fit,
+// asks into L2 instead (KV_HINT) and further ahead (KV_AHEAD 7168, both set by cpu_gemv.targets). HOW_IT_WORKS.md,
+// "Attention for a few query rows".
 #ifndef KV_AHEAD
 #define KV_AHEAD 4096
 #endif
@@ -389,8 +384,7 @@ static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
 // The scores' vectors: 16 lanes, padded(RT) rows by E = 16 / padded(RT). Lane r * E + e of a product holds row r's
 // sum over K's dimension pairs e, e + E, e + 2E, ..., and after fold_all lane r * E + e holds row r's score at
 // position e of E: no transposition of K (16 x 16 words, 8 shuffles a position at 8 rows) and no sums across lanes,
-// but E - 1 folds for E positions. Over 4096 positions x 22 layers on a Zen 4 (8 rows): 0.85-0.87x the time of the
-// transposition from L3, with the changes to the softmax below.
+// but E - 1 folds for E positions, quicker than the transposition.
 static constexpr int padded(int rows) { return rows > 4 ? 8 : rows > 2 ? 4 : rows; }  // to a power of 2
 
 // K's E dimension pairs at p, broadcast to every row's lanes
@@ -513,8 +507,7 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
         for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
         for (int g = 0; g < D / 2 / E; g++) {
             const __m512i qg = _mm512_loadu_si512(qv + 16 * g);
-            // the requests for K spread over the products: all 16 positions' at once took 1.03-1.05x the time over a
-            // cache in 2 MB pages, from memory and from L3 (Zen 4, 30-40 alternating rounds)
+            // the requests for K spread over the products: all 16 positions' at once were slower
             if (far)
                 for (int e = 0; e < E; e++) _mm_prefetch((const char*)(k + j * D) + far + 64 * (g * E + e), KV_HINT);
 #pragma GCC unroll 16
@@ -567,8 +560,7 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
 // o_r += sum_j p[r][j] v_j for RT rows of bf16 weights (in weights_bf16's order) over n positions of V (D apart),
 // o's rows D + 2 apart in in32's order: V's positions j and j + 1 interleaved by one unpack are the pairs dpbf16
 // multiplies. With few rows, a pass over the positions takes several 32-dimension blocks (NB), up to 16 sums: each
-// sum waits on its previous dpbf16, and 2 or 6 of them left the unit idle (4096 positions on a Zen 5: 1 row of 64
-// dimensions 0.89x the time, 3 rows 0.93x, 2 rows of 128 0.74x, 1 row of 256 0.76x; 8 rows keep one block a pass).
+// sum waits on its previous dpbf16, and fewer of them leave the unit idle (8 rows keep one block a pass).
 // Asks for V `far` bytes ahead unless far is 0.
 template <int D, int RT>
 static inline void pv_bf16(const uint16_t* p, const uint16_t* v, int64_t n, float* o, int64_t far) {
@@ -602,10 +594,8 @@ static inline void pv_bf16(const uint16_t* p, const uint16_t* v, int64_t n, floa
 
 // attend_chunk with dpbf16 (D 32 or more), q bf16, reading K and V side by side a block of 8 KB each at a time with
 // the softmax online (as flash attention does): two steady streams keep memory busy; with all of K read before all
-// of V, the weighted sum waited on V. Over 4096 positions x 22 layers on a Zen 5 this took 0.69x the time of
-// attend_chunk. On a Zen 4, the softmax taken on the scores in weights_bf16's registers took 0.89-0.93x the time of
-// a pass of its own over each block's scores from memory (the same from L3), before the scores' vectors held rows by
-// positions.
+// of V, the weighted sum waited on V. The softmax is taken on the scores in weights_bf16's registers rather than in
+// a pass of its own over each block's scores. HOW_IT_WORKS.md, "Attention for a few query rows".
 template <int D>
 static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
                               const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1,
@@ -624,10 +614,8 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
     for (int64_t r = 0; r < R; r += 8) BY8(arrange_q, D, R - r < 8 ? R - r : 8, q + r * D, &qv[r / 8 * 4 * D])
     const uint8_t* m = sees_all(mask, S, L, lo, hi) ? nullptr : mask;
     // With 8 or more rows the softmax takes long enough for memory to go idle: the rows ask for shares of the next
-    // block's K and V past KV_AHEAD as their weights come out (4096 positions x 22 layers on a Zen 4: without them,
-    // 1.08x the time from memory). With fewer rows the rest of the block is short, and these requests crowded the
-    // ones it makes (on a Zen 5, when a pass over the scores of its own took the softmax: 6 rows 0.96-1.04x, 4 rows
-    // 1.04x, 1 row 1.16x).
+    // block's K and V past KV_AHEAD as their weights come out. With fewer rows the rest of the block is short, and
+    // these requests would crowd the ones it makes.
     constexpr int64_t rest = BJ * D * 2 - KV_AHEAD, slots = BJ / 16 * 8;  // a slot: one of 8 vectors of scores
     const int64_t per = R >= 8 ? (rest / 64 + slots - 1) / slots * 64 : 0;
     const float scale2 = scale * 1.44269504f;  // 2^(s log2(e)) = e^s
@@ -695,9 +683,8 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
     static thread_local vec<float> qf_, parts_;
     parts_.resize(tasks * R * (D + 2));
     const float scale = 1.f / sqrtf((float)D);
-    // q in fp32, scaled, in in16's order, and 8 zero rows: padding. 16 at a time, unpacked as K is: element by
-    // element it took 3.6 us of the 15 us a call over 33 positions took (32 heads of 64, Zen 3), a decode step's
-    // attention being mostly such fixed costs.
+    // q in fp32, scaled, in in16's order, and 8 zero rows: padding. 16 at a time, unpacked as K is: a decode step's
+    // attention at short contexts is mostly such fixed costs.
     if (fp32) {
         const int64_t n = B * H * S * D;  // a multiple of 16
         qf_.resize(n + 8 * D);
@@ -709,10 +696,10 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
         }
     }
     float *qf = qf_.data(), *parts = parts_.data();
-    // the tasks shared as products share rows (share_rows): over 4096 positions, 0.97x the time of a static split
+    // the tasks shared as products share rows (share_rows)
     const int nt = omp_get_max_threads();
     std::vector<Range>& ranges = split_ranges(tasks, nt);
-    #pragma omp parallel num_threads(nt)  // one region for the tasks and the merge: a second one cost ~4 us a call
+    #pragma omp parallel num_threads(nt)  // one region for the tasks and the merge: a second one costs a call
     {
         take_shared(ranges, nt, 1, [&](int64_t t, int64_t) {
             int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
@@ -750,8 +737,8 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
 // scores multiply q, rounded to int8 per row, by K with dpbusd, 64 products an instruction (dpbf16 does 32), and the
 // weighted sum rounds the block's weights e^(s - m) times V's scales to 8 bits per row, for dpbusd again. Fewer
 // instructions as well as fewer bytes: the bf16 kernel above was already bound by its instructions at 4k positions.
-// K is asked for KV_AHEAD8 bytes ahead of the scores, and V during the scores, as the same positions of K are read:
-// over 4096 positions x 22 layers on a Zen 5, 0.86x the time of asking for V during the weighted sum, 4 KB ahead.
+// K is asked for KV_AHEAD8 bytes ahead of the scores, and V during the scores, as the same positions of K are read
+// (quicker than asking for V during the weighted sum).
 enum { KV_AHEAD8 = 8192 };
 
 static inline __m512i bcast4(const uint8_t* p) {  // four bytes, broadcast

@@ -1,3 +1,4 @@
+// The bf16 product with AVX2 and FMA: bf16 widened to fp32 by one integer unpack (bf16 is the top half of an fp32).
 #include "common.h"
 #include "kernels.h"
 

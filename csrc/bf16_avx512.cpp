@@ -1,3 +1,4 @@
+// The bf16 product with AVX-512: pairs multiplied by dpbf16 where the CPU has AVX512-BF16, else widened to fp32.
 #include "common.h"
 #include "kernels.h"
 
@@ -8,9 +9,8 @@
 typedef uint16_t xbf16;
 
 // AHEAD_BF16: how far ahead (bytes) the product asks for its weights, into L3 (T2); 0, the default, leaves them to
-// the hardware prefetcher, fastest on a Zen 5. On a Zen 4 (cpu_gemv.targets: 4096 on cores with less than 48 KB of
-// L1) 3-4 KB ahead read TinyLlama's bf16 products from memory 1.05-1.10x as fast, with memory slow and fast; 6-8 KB
-// 0.95x, T1 0.92x, NTA 0.84-0.86x, T0 0.79x.
+// the hardware prefetcher (cpu_gemv.targets: 4096 on cores with less than 48 KB of L1). HOW_IT_WORKS.md,
+// "Prefetching the weights".
 #ifndef AHEAD_BF16
 #define AHEAD_BF16 0
 #endif

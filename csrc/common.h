@@ -1,5 +1,5 @@
-// The helpers every kernel file uses (internal: not part of kernels.h). Everything here is static inline, so
-// that each file's hot loops inline it as they did in one file.
+// The helpers the kernel files share (internal: kernels.h declares what crosses files). Everything here is static,
+// and defined here, so that each file's hot loops inline it (HOW_IT_WORKS.md, "The C++ sources and their build").
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -10,8 +10,8 @@
 #include <omp.h>
 #include <vector>
 
-// Scratch on 64-byte boundaries: malloc promises 16, and a 32-byte load that straddles two cache lines costs two.
-// With the vectors wherever malloc put them, the attention at 4k ran 7-17% slower in some processes than others.
+// Scratch on 64-byte boundaries: malloc promises 16, and a 32-byte load that straddles two cache lines costs two
+// (HOW_IT_WORKS.md, "Smaller measurements behind the kernels").
 template <typename T> struct Aligned64 {
     typedef T value_type;
     Aligned64() = default;
@@ -22,7 +22,7 @@ template <typename T> struct Aligned64 {
 };
 template <typename T> using vec = std::vector<T, Aligned64<T>>;
 
-enum { CHUNK_BYTES = 65536 };  // share_rows' chunk: 32 KB and 128 KB were no faster (1.1B int4 step, Zen 3)
+enum { CHUNK_BYTES = 65536 };  // share_rows' chunk (HOW_IT_WORKS.md, "Smaller measurements behind the kernels")
 struct alignas(64) Range { std::atomic<uint64_t> v; };  // front << 32 | back, in units
 
 // the ranges of n units for nt threads (kept between calls: a product runs every step)
@@ -54,8 +54,8 @@ static void take_shared(std::vector<Range>& ranges, int nt, int64_t chunk, F&& b
 // body(a, b) for units [a, b) of [0, n), shared by the team: each thread owns one contiguous range, which it takes
 // from the front a chunk (of about `bytes`, at unit_bytes a unit) at a time, and once it runs out it takes chunks
 // from the back of the others' ranges. So every thread streams its own rows front to back, as a static split does,
-// and a thread the machine slows down is helped instead of waited for: with two halves, one thread finished 15% of
-// a product's time before the other, on average, either one (int4, 1.1B, Zen 3 VM).
+// and a thread the machine slows down is helped instead of waited for (HOW_IT_WORKS.md, "Sharing rows between
+// threads").
 template <typename F>
 static void share_rows(int64_t n, int64_t unit_bytes, int64_t bytes, F&& body) {
     const int nt = omp_get_max_threads();
@@ -91,22 +91,11 @@ static inline float hsum8(__m256 v) {
 static inline __m256 lo(__m256i w) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), w)); }
 static inline __m256 hi(__m256i w) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w)); }
 
-// the weights AHEAD bytes ahead of p (by default), asked for now: with the hardware prefetcher alone a core's one
-// stream of rows read 10-15% slower (measured on the bf16 product). Called once per 64 bytes read, or per 32.
-// Non-temporal: weights read once a step then only push out what is used again (activations, the cache, the
-// runtime's own data); decoding ran 7% (bf16), 5% (int8) and 3-5% (int4) faster than with the T0 hint, on a Zen 3
-// CPU. How far ahead is bandwidth times latency: on a Zen 3 (AVX2, ~15 GB/s a core) 1 KB, 2 KB for int4 and int8
-// (AHEAD4: the 1.1B int8 step took 0.92-0.98x the time it took 1 KB ahead, in runs alternating the two in both
-// orders; 3 and 4 KB were no faster); on a Zen 5 (AVX-512, ~40 GB/s a core) 8 KB: the int8 product read 26% faster
-// than 1 KB ahead (12 or 16 KB: no faster), and int4 3-11% faster than 4 KB ahead in minutes when memory was fast
-// (0-4% slower when it was slow; decoding 1.13x faster in all). (Its bf16 product reads fastest from the hardware
-// prefetcher alone.) On a Zen 4 (AVX-512, 32 KB of L1, one 512-bit load a cycle) the int8 and int4 products are
-// short of loads, and a prefetch takes one: with it they ran at 0.86x their speed from L2, and from memory the 1.1B
-// shape's products read 1.14x (int8) and 1.2x (int4) as fast from the hardware prefetcher alone (no distance or
-// hint, T0 to NTA, 256 B to 32 KB, did better), its decode step 1.04x and 1.06x as fast with memory slow. With memory
-// fast too: asked for 2 KB (NTA), 4 KB (T0) or 8 KB (NTA) ahead, TinyLlama's int4 products read 0.82-0.89x as fast
-// (99 rounds with the read probe over 45 GB/s; 0.90-0.95x in 401 slower ones). So AHEAD_WEIGHTS 0 turns ahead() off
-// there (cpu_gemv.targets: cores with less than 48 KB of L1, as for KV_HINT).
+// the weights AHEAD bytes ahead of p (by default), asked for now: the hardware prefetcher alone reads one stream of
+// rows slower. Called once per 64 bytes read, or per 32. Non-temporal: weights read once a step would only push out
+// what is used again (activations, the cache, the runtime's own data). How far ahead is bandwidth times latency, so
+// the AVX-512 set asks further. AHEAD_WEIGHTS 0 turns ahead() off where a prefetch costs a load the products are
+// short of (cpu_gemv.targets: cores with less than 48 KB of L1). HOW_IT_WORKS.md, "Prefetching the weights".
 #ifdef __AVX512F__
 enum { AHEAD = 8192, AHEAD4 = 8192 };
 #else

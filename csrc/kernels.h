@@ -2,7 +2,7 @@
 // per instruction set, built from bf16_*.cpp, quantized.cpp, attention.cpp, step.cpp and kernel_set.cpp) and the
 // batch-1 step's view of a model. ops.cpp, the torch side, reaches a set only through the KernelSet it exports.
 // Tensors are raw pointers here, row-major and contiguous unless a stride says otherwise; bf16 is uint16_t.
-// See HOW_IT_WORKS.md, "The C++ sources".
+// See HOW_IT_WORKS.md, "The C++ sources and their build".
 #pragma once
 #include <stdint.h>
 
@@ -34,7 +34,6 @@ struct Model {
 // ---- a kernel set's entry points ------------------------------------------------------------------------------
 
 #pragma GCC visibility push(hidden)  // each set's own: two sets loaded in one process never see each other's
-
 
 // y[M, N] = x[M, K] @ w[N, K]^T, x and w bf16, accumulated in fp32; y bf16, or float32 where f32; K a multiple of 16
 void gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K, int64_t f32);

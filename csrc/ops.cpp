@@ -1,10 +1,11 @@
 // The torch ops fast_decode::* and the batch-1 step as the torch class fast_decode.Step, over the kernel set loaded
 // last (use_kernels). Built against this torch's headers; torch.compile keeps the ops in its graphs and calls them
-// with no Python in between. See HOW_IT_WORKS.md, "The C++ sources".
+// with no Python in between. See HOW_IT_WORKS.md, "The C++ sources and their build".
 #include <dlfcn.h>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -72,6 +73,13 @@ static Tensor dequantize_int4(const Tensor& w, const Tensor& scales, const Tenso
     kernels().dequantize_int4(ptr<uint8_t>(w), ptr<uint16_t>(scales), ptr<uint16_t>(zeros), y.data_ptr(), y.size(0),
                               y.size(1), y.size(1) / scales.size(1), f32);
     return y;
+}
+
+// x [..., K] bf16, w [N, K] int8, scales [N] bf16 -> [..., N] in dtype: many rows through torch's GEMM, the weight
+// converted exactly to dtype and the scale applied after the product. An op of its own so that a compiled prefill
+// runs these same ATen ops: inductor would put its int8 weight-only matmul in their place, another kernel.
+static Tensor gemm_int8(const Tensor& x, const Tensor& w, const Tensor& scales, at::ScalarType dtype) {
+    return at::linear(x.to(dtype), w.to(dtype)).mul(scales.to(dtype));
 }
 
 // q [B, H, S, D] bf16, k and v [B, Hkv, L, D] bf16 (slices of the cache: rows of D contiguous), mask [B|1, 1, S, L]
@@ -169,6 +177,7 @@ TORCH_LIBRARY(fast_decode, m) {
     m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
     m.def("attend_int8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor mask) -> Tensor");
     m.def("dequantize_int4(Tensor w, Tensor scales, Tensor zeros, bool f32) -> Tensor");
+    m.def("gemm_int8(Tensor x, Tensor w, Tensor scales, ScalarType dtype) -> Tensor");
     m.def("use_kernels(str path) -> ()", use_kernels);
     m.class_<Step>("Step")
         .def(torch::init<const Tensor&, const Tensor&, const Tensor&, const std::vector<Tensor>&, int64_t, int64_t,
@@ -185,6 +194,7 @@ TORCH_LIBRARY_IMPL(fast_decode, CPU, m) {
     m.impl("gemv_int8", gemv_int8);
     m.impl("gemv_int4", gemv_int4);
     m.impl("dequantize_int4", dequantize_int4);
+    m.impl("gemm_int8", gemm_int8);
     m.impl("attend", attend);
     m.impl("attend_int8", attend_int8);
 }

@@ -4,13 +4,13 @@
 // The int8 and int4 products, for both instruction sets (AVX2 instructions, and VNNI's dpbusd where present). x is
 // rounded to int8 per block (int8: 32 values; int4: the weights' group), x ~ d * xq, so that a block's products are
 // integer multiply-adds: 32 at a time by maddubs (or dpbusd) instead of 8 float FMAs after widening each weight.
-// That is what lets the quantized products keep up with memory; the rounding costs about 0.5% per product.
+// That is what lets the quantized products keep up with memory, for a rounding error the tests bound at 1%.
 
 struct XQ {  // one row of x rounded to int8 per block of B: xq, and per block the scale d, d * sum xq, and sum x
     vec<int8_t> q;
     vec<float> d, c, sum;
 };
-// kept from call to call: five allocations a product cost 1.4% of a 1.1B int4 decode step (Zen 5, 1.2% int8)
+// kept from call to call: allocations a product cost a measurable share of a decode step
 static thread_local std::vector<XQ> xq_;
 
 // 32 int32 in 4 vectors -> 32 int8 in the same order: the packs work within 128-bit lanes, the permute undoes that
@@ -92,8 +92,8 @@ static inline __m256i sum8x8_i32(const __m256i* a) {
 // int8 w (scale per row) against x in blocks of 32; returns 8 lanes whose sum less FLIP x sum of p.c is the product.
 // AVX2: |w| times x with w's sign, as maddubs wants unsigned by signed. AVX-512 VNNI: w + 128 as unsigned (one xor),
 // so sum (w + 128) x = sum w x + 128 sum x, the last taken off once a row; 64 weights a step, its 16 int32 sums
-// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's). Gathering 8 blocks'
-// sums into one vector first took 1.09x the time from L2 (one core) and TinyLlama's int8 decode step 1.03x (Zen 4).
+// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's), which is quicker
+// than gathering 8 blocks' sums into one vector first (HOW_IT_WORKS.md, "The int8 and int4 products").
 static inline __m256 dot_i8(const XQ& p, const int8_t* w, int64_t K) {
     __m256 total = _mm256_setzero_ps();
     int64_t k = 0;
@@ -165,11 +165,8 @@ static inline __m512i dot128(__m512i a, const uint8_t* w, const int8_t* x) {
 
 // n <= 8 groups' products in 512-bit steps, added to acc: each step's 16 int32 sums converted and scaled where they
 // lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's; G 32: four lanes a group), with no
-// horizontal sums. Summing each group's lanes first, then scaling 8 groups at once, read the weights from memory at
-// 0.80-0.89x the speed with G 64 and 0.93-0.99x with G 128 (Zen 4, two cores, memory fast; TinyLlama's int4 g64
-// decode step took 1.18x the time). G 32 (GGUF's Q4_0 and Q4_1) had 256-bit steps of two groups: 0.65x the speed
-// from L2 (one core), and TinyLlama's Q4_0 step took 1.2x the time with memory fast, 1.0-1.15x slow. sd: the 8
-// groups' scale x d.
+// horizontal sums: quicker than summing each group's lanes first, and than 256-bit steps for G 32 (GGUF's Q4_0 and
+// Q4_1); HOW_IT_WORKS.md, "The int8 and int4 products". sd: the 8 groups' scale x d.
 template <int G>
 static inline __m512 group_products_wide(const uint8_t* w, const int8_t* x, int n, __m256 sd, __m512 acc) {
     const __m512 s = _mm512_castps256_ps512(sd);
@@ -220,7 +217,7 @@ static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i*
         for (int j = 0; j < G / 64; j++) {  // 64 weights per step; unrolled, G being a constant
             const uint8_t* wg = w + i * G / 2 + 32 * j;
             const int8_t* xg = x + i * G + 64 * j;
-            if ((G == 64 ? i : j) % 2 == 0) ahead(wg, AHEAD4);  // once a line, and further: 3% faster
+            if ((G == 64 ? i : j) % 2 == 0) ahead(wg, AHEAD4);  // once a line
             __m256i v = _mm256_loadu_si256((const __m256i*)wg);
             __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
             __m256i xe = _mm256_loadu_si256((const __m256i*)xg), xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
@@ -239,15 +236,11 @@ static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i*
 // int4 w = (q - 8) * scale + zero per group of G (32, 64, 128 or 256) along K, two q per byte (low nibble first). A group's
 // products add up in 16-bit lanes (at most G/64 x 2 x 2 x 15 x 127 < 2^15), or in 32-bit ones with dpbusd; per group
 // sum (q - 8) x ~ d * (sum q xq) - 8 c. The float work is done 8 groups at a time: the 8 groups' integer sums are
-// gathered into one vector, converted and scaled together (each group on its own took 1.08x the time, one core, L2,
-// Zen 5). wide: AVX-512 VNNI steps of 128 weights (x in even-odd order by 128): 1.2-1.3x as fast as 256-bit
-// steps there (one core, L3); their float work is per step instead (group_products_wide). A row 64 short of a
-// multiple of 128 (SmolLM2's 576 columns) ends in a 256-bit step, and with G 32 or 64 the last groups past a
-// multiple of 8 are scaled in one masked vector: from L3 (Zen 4, two cores) products of 576 columns read 1.6x as
-// fast in groups of 32, 1.2x in groups of 64, as 256-bit steps with those groups in scalars did (SmolLM2's Q4_1
-// step: 0.90-0.94x the time). With G 128 the masked groups, though faster from L3, left TinyLlama's int4 step 1.03x
-// as long with the memory fast (46 rounds), so they stay scalar there. Returns 8 lanes that add up to the row's
-// product.
+// gathered into one vector, converted and scaled together. wide: AVX-512 VNNI steps of 128 weights (x in even-odd
+// order by 128), their float work per step instead (group_products_wide). A row 64 short of a multiple of 128
+// (SmolLM2's 576 columns) ends in a 256-bit step, and with G 32 or 64 the last groups past a multiple of 8 are scaled
+// in one masked vector; with G 128 they stay scalar. Returns 8 lanes that add up to the row's product.
+// HOW_IT_WORKS.md, "The int8 and int4 products".
 // 8 groups' scales s and zeros z (from g0): sd = s x d, and rest += z x sum x - 8 s x c
 static inline void group_scales(__m256 s, __m256 z, const XQ& p, int64_t g0, __m256* sd, __m256* rest) {
     *sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
@@ -310,7 +303,7 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xg + 32))));
             }
             // the 8 groups' sums gathered in one vector, in the order 0, 2, 4, 6, 1, 3, 5, 7, converted and scaled
-            // together: 1.2x as fast as converting and scaling each step's pair (one core, weights in cache, Zen 3)
+            // together: quicker than converting and scaling each step's pair
             __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(r[0], r[1]), _mm256_hadd_epi16(r[2], r[3]));
             sd = _mm256_permutevar8x32_ps(sd, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
             total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1))), sd, total);
@@ -321,7 +314,7 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
         const int n = groups - g0 < 8 ? groups - g0 : 8;
 #if WIDE
         if (wide) {
-            // a constant 8 unrolls the steps: with n alone, 1536 columns in groups of 32 read 0.8x as fast from L3
+            // a constant 8 unrolls the steps, which n alone does not
             if (G <= 64 && n == 8) wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], 8, sd, wacc);
             else wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, sd, wacc);
             continue;
@@ -343,7 +336,7 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
 static inline float dot_i8_exact(const float* x, const int8_t* w, int64_t K) {
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t k = 0; k < K; k += 32) {
-        if (k % 64 == 0) ahead(w + k);  // as the other products: 1.19x as fast on a Zen 5 (512-bit steps: no faster)
+        if (k % 64 == 0) ahead(w + k);  // as the other products do
         for (int c = 0; c < 4; c++) {
             __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * c))));
             a[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k + 8 * c), a[c]);
@@ -436,8 +429,7 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
     });
 }
 
-// One row of x. 8 weight rows at a time, their sums reduced together rather than each at the end of its row:
-// 1.09x as fast with the weights in cache (Zen 5).
+// One row of x. 8 weight rows at a time, their sums reduced together rather than each at the end of its row.
 template <int G, bool wide>
 static void gemv_i4(const XQ& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y, int64_t N,
                     int64_t K, int64_t f32) {
@@ -571,7 +563,7 @@ void fast_decode::gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t*
 }
 
 // prefill's int4 weights: w [N, K / 2] packed, scales and zeros [N, K / G] -> out [N, K] in fp32 (or bf16), for a
-// GEMM of many rows; one pass, 32 weights a step (1.4x as fast as a table lookup per weight, on a Zen 5)
+// GEMM of many rows; one pass, 32 weights a step (quicker than a table lookup per weight)
 void fast_decode::dequantize_int4(const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* out,
                                 int64_t N, int64_t K, int64_t G, int64_t f32) {
     const __m128i nib = _mm_set1_epi8(15);

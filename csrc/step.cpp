@@ -1,7 +1,9 @@
+// The batch-1 decode step: model.py's forward for one token over kernels.h's Model, on this set's kernels, and the
+// greedy loop around it (HOW_IT_WORKS.md, "Batch-1 decoding on a CPU is one C++ call").
 #include "common.h"
 #include "kernels.h"
 
-// (bf16_bits, to_bf16x8, widen8 and hsum8: cpu_gemv.PRELUDE's)
+// (bf16_bits, to_bf16x8, widen8 and hsum8: common.h's)
 static inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
 static inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
 
@@ -121,8 +123,8 @@ void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float*
 }
 
 // the greedy token of logits [V]: the first index of the largest (torch.argmax's), or -1 where one is not finite
-// (generate.sample's NOT_FINITE). torch's argmax, isfinite and where on the logits took ~0.2 ms a step on a 2-core
-// Zen 4, this ~0.025 ms, nearly all of it reading the half of the logits the other core wrote.
+// (generate.sample's NOT_FINITE), in one pass where torch takes three ops (HOW_IT_WORKS.md, "Batch-1 decoding on a
+// CPU is one C++ call")
 int64_t fast_decode::greedy(const float* logits, int64_t V) {
     __m256 top = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
     __m256i at = _mm256_setzero_si256(), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -151,7 +153,7 @@ int64_t fast_decode::greedy(const float* logits, int64_t V) {
 
 // greedy decoding from token at slot pos: a step a token, each fed the last one's pick, into out[0, n), until n
 // tokens, one of eos[0, n_eos) or a -1 (a logit not finite). Returns the tokens written. No Python between steps:
-// the ~10 torch ops generate's loop runs a token cost ~0.35 ms there (their code and data evicted by the weights).
+// the torch ops generate's loop runs a token have their code and data evicted by the weights.
 int64_t fast_decode::decode_greedy(const Model& model, int64_t token, int64_t pos, int64_t n, int64_t* out,
                                    const int64_t* eos, int64_t n_eos, float* logits, int64_t vocab) {
     for (int64_t i = 0; i < n; i++) {

@@ -173,6 +173,24 @@ def test_many_rows_of_quantized_layers_go_to_the_kernel_or_to_torchs_gemm_in_the
             assert ((ours(x).double() - exact).norm() / exact.norm()).item() < 1e-2
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kernel_prefill", [False, True])
+def test_a_compiled_prefill_runs_the_ops_an_eager_one_runs(kernel_prefill):
+    # inductor would put its own int8 weight-only matmul in place of torch's path (the weight converted, then the
+    # GEMM), another kernel than the one measured faster: a compiled prefill must run what eager runs
+    from torch._inductor.utils import run_and_get_code
+    ops = {("int8", False): "gemm_int8", ("int8", True): "gemv_int8", ("int4", False): "dequantize_int4",
+           ("int4", True): "gemv_int4"}
+    for (layer, _), kind in zip(quantized_layers(), ("int8", "int4")):
+        ours = installed(layer)
+        ours.kernel_prefill = kernel_prefill
+        x = torch.randn(1, cpu_gemv.MAX_ROWS + 8, 128).bfloat16()
+        torch._dynamo.reset()
+        got, code = run_and_get_code(torch.compile(ours, dynamic=True, fullgraph=True), x)
+        assert torch.equal(got, ours(x))
+        assert f"fast_decode.{ops[kind, kernel_prefill]}" in "\n".join(code) and "int8pack" not in "\n".join(code)
+
+
 def test_a_bf16_prefill_in_fp32_tiles_gives_the_whole_matrix_product(monkeypatch):
     x, w = torch.randn(2, 40, 96).bfloat16(), torch.randn(100, 96).bfloat16()
     monkeypatch.setattr(cpu_gemv, "TILE_BYTES", 4 * 96 * 7)  # 7 rows a tile: 15 tiles, the last of 2 rows
@@ -354,9 +372,9 @@ def test_a_core_with_less_than_48_kb_of_l1_gets_its_own_prefetch_settings(monkey
     # (see cpu_gemv)
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     hinted = lambda: [flag in flags for _, _, flags in cpu_gemv.targets(every)]  # noqa: E731
-    monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)  # a Zen 4
+    monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)
     assert hinted() == [True, False, False]
-    for kb in (48, 0):  # a Zen 5 or a Sapphire Rapids; sysfs silent
+    for kb in (48, 0):  # 48 KB or more; sysfs silent
         monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: kb)
         assert not any(hinted())
 
