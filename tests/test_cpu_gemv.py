@@ -342,7 +342,8 @@ def test_importing_cpu_gemv_builds_nothing_and_leaves_the_loggers_alone():
     code = ("import logging, sys, cpu_gemv; "
             "assert cpu_gemv.kernels == 'torch' and cpu_gemv._lib is None; "
             "assert logging.getLogger('torch.utils.cpp_extension').level == logging.NOTSET")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cpu_gemv.CSRC.parent)
+    assert run.returncode == 0, run.stderr
 
 
 def test_the_cpu_features_choose_the_kernel_sets():
