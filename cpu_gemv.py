@@ -101,12 +101,14 @@ def library(sources: list[Path], flags: list[str]) -> Path:
 def compile_once(sources: list[Path], flags: list[str], announce=lambda: None) -> Path:
     """The shared library g++ builds from the repository's sources (in place: an error names their file and line)
     with flags, from the cache when built so before; announce() is called before a build."""
-    lib = library(sources, flags)
+    lib, cxx = library(sources, flags), os.environ.get("CXX", "g++")
     if not lib.exists():
+        if shutil.which(cxx) is None:
+            raise FileNotFoundError(cxx)
         announce()
         CACHE.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # built aside, then renamed: no reader sees half a file
-            subprocess.run([os.environ.get("CXX", "g++"), *map(str, sources), *flags, "-o", f"{tmp}/lib.so"],
+            subprocess.run([cxx, *map(str, sources), *flags, "-o", f"{tmp}/lib.so"],
                            check=True, capture_output=True, text=True)
             os.replace(f"{tmp}/lib.so", lib)
     return lib
@@ -176,13 +178,12 @@ def load(name: Optional[str] = None) -> Optional[str]:
         if not chosen:
             raise RuntimeError(f"no kernels for this CPU ({platform.machine()}: "
                                f"{'no ' + name if name else 'there are kernels for x86 AVX2+FMA and AVX-512 only'})")
-        if shutil.which(os.environ.get("CXX", "g++")) is None:
-            raise FileNotFoundError
         said = []
 
         def announce():  # one line, before the first build of this call
             if not said:
-                print(f"cpu_gemv: compiling the {chosen[0][0]} kernels with g++ into {CACHE}", file=sys.stderr)
+                cxx = os.environ.get("CXX", "g++")
+                print(f"cpu_gemv: compiling the {chosen[0][0]} kernels with {cxx} into {CACHE}", file=sys.stderr)
                 said.append(True)
         if _ops is None:
             _ops = compile_once(*ops_build(), announce)
@@ -294,9 +295,9 @@ def fastest(what: str, candidates: dict) -> str:
 def prefill_dtype(n: int, k: int) -> torch.dtype:
     """The faster dtype here for a prefill-sized product (PROBE_ROWS rows) with a bf16 [n, k] weight: bf16, or fp32
     with the weight converted on the fly: CPUs without bf16 matrix instructions run torch's bf16 GEMM far slower
-    than its fp32 one (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU"). At MAX_ROWS rows the two are close (converting the
-    weight costs as much as the product), so that is no place to measure. At most 4096 of the weight's rows: speed
-    per FLOP is the same."""
+    than its fp32 one (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU"). At MAX_ROWS rows the two are close
+    (converting the weight costs as much as the product), so that is no place to measure. At most 4096 of the
+    weight's rows: speed per FLOP is the same."""
     n = min(n, 4096)
     x, w = torch.randn(PROBE_ROWS, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
     return getattr(torch, fastest(f"{PROBE_ROWS} rows, {n}x{k}", {
@@ -381,7 +382,7 @@ class GemvInt8(nn.Module):
         # the int8 weight holds its values exactly in either dtype; the scale, per output, applies after the product
         if torch.is_grad_enabled() and x.requires_grad:  # torch's ops, which have a backward
             y = F.linear(x.to(self.dtype), self.weight.to(self.dtype)) * self.scales.to(self.dtype)
-        else:  # as one op, which a compiled prefill runs as it is (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU")
+        else:  # one op, which a compiled prefill runs as it is (HOW_IT_WORKS.md, "Which kernels, and prefill on a CPU")
             y = torch.ops.fast_decode.gemm_int8(x, self.weight, self.scales, self.dtype)
         return y.to(torch.float32 if self.f32 else x.dtype)
 
