@@ -3,6 +3,8 @@ bf16, the int8 and int4 ones stay within a percent of it, and attention for a fe
 compile into one graph, and give a model the tokens torch's kernels give; without a compiler torch's stay."""
 import json
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,6 +173,24 @@ def test_many_rows_of_quantized_layers_go_to_the_kernel_or_to_torchs_gemm_in_the
             assert ((ours(x).double() - exact).norm() / exact.norm()).item() < 1e-2
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("kernel_prefill", [False, True])
+def test_a_compiled_prefill_runs_the_ops_an_eager_one_runs(kernel_prefill):
+    # inductor would put its own int8 weight-only matmul in place of torch's path (the weight converted, then the
+    # GEMM), another kernel than the one measured faster: a compiled prefill must run what eager runs
+    from torch._inductor.utils import run_and_get_code
+    ops = {("int8", False): "gemm_int8", ("int8", True): "gemv_int8", ("int4", False): "dequantize_int4",
+           ("int4", True): "gemv_int4"}
+    for (layer, _), kind in zip(quantized_layers(), ("int8", "int4")):
+        ours = installed(layer)
+        ours.kernel_prefill = kernel_prefill
+        x = torch.randn(1, cpu_gemv.MAX_ROWS + 8, 128).bfloat16()
+        torch._dynamo.reset()
+        got, code = run_and_get_code(torch.compile(ours, dynamic=True, fullgraph=True), x)
+        assert torch.equal(got, ours(x))
+        assert f"fast_decode.{ops[kind, kernel_prefill]}" in "\n".join(code) and "int8pack" not in "\n".join(code)
+
+
 def test_a_bf16_prefill_in_fp32_tiles_gives_the_whole_matrix_product(monkeypatch):
     x, w = torch.randn(2, 40, 96).bfloat16(), torch.randn(100, 96).bfloat16()
     monkeypatch.setattr(cpu_gemv, "TILE_BYTES", 4 * 96 * 7)  # 7 rows a tile: 15 tiles, the last of 2 rows
@@ -272,30 +292,58 @@ def test_without_a_compiler_torchs_kernels_stay_and_one_line_says_why(tmp_path, 
         cpu_gemv.load()
 
 
-def test_a_kernel_set_that_does_not_build_gives_way_to_the_next_and_one_line_says_so(monkeypatch, capsys):
+def broken_source(tmp_path):  # a kernel set that does not build: its source's second line stops the compiler
+    (tmp_path / "broken.cpp").write_text("// a kernel set for a CPU g++ does not know\n#error no such intrinsic\n")
+    return [tmp_path / "broken.cpp"]
+
+
+def test_a_kernel_set_that_does_not_build_gives_way_to_the_next_and_one_line_says_so(tmp_path, monkeypatch, capsys):
     best = cpu_gemv.targets(cpu_gemv.cpu_flags())[0]
-    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [("broken", "#error no such intrinsic\n", []), best])
+    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [("broken", broken_source(tmp_path), []), best])
     try:
         assert cpu_gemv.load() == best[0] == cpu_gemv.kernels
-        err = capsys.readouterr().err.strip()
-        assert err.startswith("cpu_gemv: the broken kernels did not build (") and "no such intrinsic" in err
-        assert err.endswith(f"); trying {best[0]}") and len(err.splitlines()) == 1
+        # a line saying that g++ compiles (the broken set is not in the cache), then the error, with its file and line
+        *compiling, err = capsys.readouterr().err.strip().splitlines()
+        assert compiling == [f"cpu_gemv: compiling the broken kernels with g++ into {cpu_gemv.CACHE}"]
+        assert err.startswith(f"cpu_gemv: the broken kernels did not build ({tmp_path / 'broken.cpp'}:2:")
+        assert "no such intrinsic" in err and err.endswith(f"); trying {best[0]}")
     finally:
         monkeypatch.undo()
         cpu_gemv.load()
 
 
-def test_when_no_kernel_set_builds_torchs_kernels_stay_and_one_line_says_why(monkeypatch, capsys):
-    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [("broken", "#error no such intrinsic\n", [])])
+def test_when_no_kernel_set_builds_torchs_kernels_stay_and_one_line_says_why(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [("broken", broken_source(tmp_path), [])])
     monkeypatch.setattr(cpu_gemv, "_why_not", None)  # the line comes once per reason a process
     try:
         assert cpu_gemv.load() is None and cpu_gemv.kernels == "torch"
-        err = capsys.readouterr().err.strip()
+        *_, err = capsys.readouterr().err.strip().splitlines()
         assert err.startswith("cpu_gemv: using torch's CPU kernels: the kernels did not build: ")
-        assert "no such intrinsic" in err and len(err.splitlines()) == 1
+        assert f"{tmp_path / 'broken.cpp'}:2:" in err and "no such intrinsic" in err
     finally:
         monkeypatch.undo()
         cpu_gemv.load()
+
+
+def test_the_first_build_says_so_in_one_line_and_a_cached_one_says_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_gemv, "CACHE", tmp_path)
+    best = cpu_gemv.targets(cpu_gemv.cpu_flags())[-1]  # the quickest to build
+    monkeypatch.setattr(cpu_gemv, "targets", lambda flags: [best])
+    try:
+        assert cpu_gemv.load() == best[0]
+        assert capsys.readouterr().err.strip() == f"cpu_gemv: compiling the {best[0]} kernels with g++ into {tmp_path}"
+        assert cpu_gemv.load() == best[0] and capsys.readouterr().err == ""
+    finally:
+        monkeypatch.undo()
+        cpu_gemv.load()
+
+
+def test_importing_cpu_gemv_builds_nothing_and_leaves_the_loggers_alone():
+    code = ("import logging, sys, cpu_gemv; "
+            "assert cpu_gemv.kernels == 'torch' and cpu_gemv._lib is None; "
+            "assert logging.getLogger('torch.utils.cpp_extension').level == logging.NOTSET")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cpu_gemv.CSRC.parent)
+    assert run.returncode == 0, run.stderr
 
 
 def test_the_cpu_features_choose_the_kernel_sets():
@@ -303,10 +351,9 @@ def test_the_cpu_features_choose_the_kernel_sets():
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
     assert names({"avx2", "fma"}) == ["avx2"]
     assert names({"sse4_2", "avx"}) == []
-    if cpu_gemv.AVX512:
-        assert names(avx512 | {"avx512_bf16", "avx512_vnni"}) == ["avx512+bf16+vnni", "avx512", "avx2"]
-        assert names(avx512 | {"avx512_vnni"}) == ["avx512+vnni", "avx512", "avx2"]
-        assert names(avx512) == ["avx512", "avx2"]
+    assert names(avx512 | {"avx512_bf16", "avx512_vnni"}) == ["avx512+bf16+vnni", "avx512", "avx2"]
+    assert names(avx512 | {"avx512_vnni"}) == ["avx512+vnni", "avx512", "avx2"]
+    assert names(avx512) == ["avx512", "avx2"]
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 kernel sets")
@@ -316,8 +363,8 @@ def test_every_x86_kernel_set_compiles_here_even_those_this_cpu_cannot_run(monke
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     for l1 in (32, 48):
         monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: l1)
-        for name, source, flags in cpu_gemv.targets(every) + cpu_gemv.targets(every - {"avx512_bf16"})[:1]:
-            assert cpu_gemv.compile_set(source, flags).stat().st_size > 0, name
+        for name, sources, flags in cpu_gemv.targets(every) + cpu_gemv.targets(every - {"avx512_bf16"})[:1]:
+            assert cpu_gemv.compile_set(sources, flags).stat().st_size > 0, name
 
 
 @pytest.mark.parametrize("flag", ["-DKV_HINT=_MM_HINT_T1", "-DKV_AHEAD=7168", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"])
@@ -326,9 +373,9 @@ def test_a_core_with_less_than_48_kb_of_l1_gets_its_own_prefetch_settings(monkey
     # (see cpu_gemv)
     every = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     hinted = lambda: [flag in flags for _, _, flags in cpu_gemv.targets(every)]  # noqa: E731
-    monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)  # a Zen 4
-    assert hinted() == ([True, False, False] if cpu_gemv.AVX512 else [False])
-    for kb in (48, 0):  # a Zen 5 or a Sapphire Rapids; sysfs silent
+    monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: 32)
+    assert hinted() == [True, False, False]
+    for kb in (48, 0):  # 48 KB or more; sysfs silent
         monkeypatch.setattr(cpu_gemv, "l1_data_kb", lambda: kb)
         assert not any(hinted())
 

@@ -10,7 +10,7 @@ import generate as gen
 import quantize
 from checkpoint import load_model
 from generate import DEFAULT_CHECKPOINT, generate
-from model import ModelArgs, Transformer
+from model import ModelArgs, RMSNorm, Transformer
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
 TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
@@ -98,8 +98,9 @@ def test_compiled_decoding_runs_the_step_and_gives_eager_tokens(monkeypatch):
     prompts = [[1, 40, 41, 42], [1, 99, 7, 8, 9, 10, 11, 12, 13]]
     eager = [generate(model, [p], 40, temperature=0.0).rows[0] for p in prompts]
     calls = []
-    run = cpu_step.Step.__call__
-    monkeypatch.setattr(cpu_step.Step, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    for name in ("__call__", "greedy"):  # logits to sample from, or the greedy pick
+        run = getattr(cpu_step.Step, name)
+        monkeypatch.setattr(cpu_step.Step, name, lambda self, *a, run=run: calls.append(1) or run(self, *a))
     steps = gen.build_steps(compile=True)
     shown = []  # a callback sees each token as it comes: a step at a time from Python
     assert [generate(model, [p], 40, steps=steps, temperature=0.0, callback=shown.append).rows[0]
@@ -114,6 +115,7 @@ def test_greedy_decoding_without_a_callback_is_one_c_plus_plus_loop_with_eager_t
     run = cpu_step.Step.greedy_loop
     monkeypatch.setattr(cpu_step.Step, "greedy_loop", lambda self, *a: loops.append(run(self, *a)) or loops[-1])
     monkeypatch.setattr(cpu_step.Step, "__call__", lambda *a: pytest.fail("a step from Python"))
+    monkeypatch.setattr(cpu_step.Step, "greedy", lambda *a: pytest.fail("a step from Python"))
     result = generate(model, [[1, 40, 41, 42]], 40, steps=gen.build_steps(compile=True), temperature=0.0)
     assert result.rows[0] == eager and loops == [39] and result.forwards == 39
 
@@ -166,7 +168,9 @@ def test_each_decode_loop_builds_its_step_so_a_new_cache_is_the_one_written():
     model.setup_caches(1, 128)
     second = cpu_step.step(model, torch.tensor([9]))  # the next loop's input_pos
     assert second is not first
-    assert second.struct.layers[0].k == model.layers[0].attention.kv_cache.k_cache.data_ptr()
+    with torch.inference_mode():
+        second(torch.tensor([[3]]), torch.tensor([0]))
+    assert model.layers[0].attention.kv_cache.k_cache[0, :, 0].ne(0).any()  # the new cache's first slot written
     assert all(close(ref, got) for ref, got in logits_both_ways(model))
 
 
@@ -177,14 +181,14 @@ def test_the_greedy_pick_is_torch_argmax_first_of_equals_and_minus_one_for_a_nan
         logits = torch.randn(1, V)
         first = V // 3 // 8 * 8 + 3
         logits[0, [first, first + 64, V // 2, V - 1]] = logits.max() + 1  # equal largest: argmax takes the first
-        assert step.lib.greedy(logits.data_ptr(), V) == logits.argmax(-1).item() == first
+        assert step.cpp.greedy(logits) == logits.argmax(-1).item() == first
         logits[0, V - 1] = logits.max() + 1  # the last one, in the tail where V is not a multiple of 8
-        assert step.lib.greedy(logits.data_ptr(), V) == V - 1
+        assert step.cpp.greedy(logits) == V - 1
         for bad in (float("nan"), float("inf"), -float("inf")):
             for at in (7, V - 1):
                 damaged = logits.clone()
                 damaged[0, at] = bad
-                assert step.lib.greedy(damaged.data_ptr(), V) == gen.NOT_FINITE == gen.sample(damaged).item()
+                assert step.cpp.greedy(damaged) == gen.NOT_FINITE == gen.sample(damaged).item()
 
 
 def test_greedy_decoding_takes_the_step_s_pick_and_sampling_takes_its_logits():
@@ -217,3 +221,30 @@ def test_a_token_or_position_outside_the_model_is_an_error_not_a_read_out_of_bou
         step(torch.tensor([[3]]), torch.tensor([256]))
     with pytest.raises(ValueError, match="outside the model"):  # the loop's last position past the cache
         step.greedy_loop(3, 250, torch.zeros(7, dtype=torch.int64), None)
+
+
+def test_an_unchanged_model_passes_the_step_s_check_and_nothing_is_said(capsys):
+    assert cpu_step.step_for(tiny("int4")) is not None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_step_s_check_leaves_the_cache_as_it_was():
+    model = tiny(kv=torch.int8)
+    with torch.inference_mode():
+        model(torch.randint(0, 320, (1, 9)), torch.arange(9))  # a prompt in the slots the check writes and reads
+    before = [t.clone() for t in model.buffers()]
+    assert cpu_step.step_for(model) is not None
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+def test_a_changed_model_py_forward_takes_the_compiled_step_and_one_line_says_why(monkeypatch, capsys):
+    # a fork that edits model.py's forward and not the C++ step: here every RMSNorm's output scaled
+    norm = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: norm(self, x) * 1.5)
+    model = tiny()
+    eager = generate(model, [[1, 40, 41, 42]], 12, temperature=0.0).rows[0]
+    steps = gen.build_steps(compile=True)
+    assert generate(model, [[1, 40, 41, 42]], 12, steps=steps, temperature=0.0).rows[0] == eager
+    assert cpu_step.step_for(model) is None
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cpu_step")]
+    assert len(said) == 1 and said[0].startswith("cpu_step: the C++ step does not match model.py's forward (logits ")

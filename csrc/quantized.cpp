@@ -1,0 +1,590 @@
+#include "common.h"
+#include "kernels.h"
+
+// The int8 and int4 products, for both instruction sets (AVX2 instructions, and VNNI's dpbusd where present). x is
+// rounded to int8 per block (int8: 32 values; int4: the weights' group), x ~ d * xq, so that a block's products are
+// integer multiply-adds: 32 at a time by maddubs (or dpbusd) instead of 8 float FMAs after widening each weight.
+// That is what lets the quantized products keep up with memory, for a rounding error the tests bound at 1%.
+
+struct XQ {  // one row of x rounded to int8 per block of B: xq, and per block the scale d, d * sum xq, and sum x
+    vec<int8_t> q;
+    vec<float> d, c, sum;
+};
+// kept from call to call: allocations a product cost a measurable share of a decode step
+static thread_local std::vector<XQ> xq_;
+
+// 32 int32 in 4 vectors -> 32 int8 in the same order: the packs work within 128-bit lanes, the permute undoes that
+static inline __m256i pack32(const __m256i q[4]) {
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// 64 int8 at p, in place: the 32 at even positions first, then the 32 at odd ones
+static inline void even_odd(int8_t* p) {
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i h[2];
+    for (int i = 0; i < 2; i++)  // each half as [its evens, its odds]
+        h[i] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i*)(p + 32 * i)), split),
+                                        0xd8);
+    _mm256_storeu_si256((__m256i*)p, _mm256_permute2x128_si256(h[0], h[1], 0x20));
+    _mm256_storeu_si256((__m256i*)(p + 32), _mm256_permute2x128_si256(h[0], h[1], 0x31));
+}
+
+// span (int4): within every span of 64 values (K a multiple of 64), the 32 at even positions first, then the 32 at
+// odd ones, which is where a 32-byte load of packed weights finds them (its low nibbles, then its high ones); span
+// 128 (K a multiple of 128) likewise for a 64-byte load. d, c and sum have zeros after the last block, up to a
+// multiple of 8 blocks.
+static void prepare(const uint16_t* x, int64_t K, int64_t B, int span, XQ& p) {
+    const int64_t b8 = (K / B + 7) / 8 * 8;
+    p.q.resize(K); p.d.assign(b8, 0.f); p.c.assign(b8, 0.f); p.sum.assign(b8, 0.f);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t b = 0; b < K / B; b++) {
+        const uint16_t* xb = x + b * B;
+        __m256 amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < B; j += 8) {
+            __m256 v = widen8(xb + j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+            sum = _mm256_add_ps(sum, v);
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        float d = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        __m256i qsum = _mm256_setzero_si256();
+        for (int64_t j = 0; j < B; j += 32) {  // rounded to nearest even, as lrintf does
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {
+                q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(widen8(xb + j + 8 * i), _mm256_set1_ps(inv)));
+                qsum = _mm256_add_epi32(qsum, q[i]);
+            }
+            _mm256_storeu_si256((__m256i*)&p.q[b * B + j], pack32(q));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(qsum), _mm256_extracti128_si256(qsum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        p.d[b] = d; p.c[b] = d * _mm_cvtsi128_si32(s4); p.sum[b] = hsum8(sum);
+    }
+    if (span)  // by 64 whatever the block: a 32-byte load of weights holds 64 of them (two groups of 32)
+        for (int64_t j = 0; j < K; j += 64) even_odd(&p.q[j]);
+    if (span == 128)  // [evens, odds, evens, odds] by 32 -> [evens, odds] by 64: the middle two swap (a last 64
+        for (int64_t j = 0; j + 128 <= K; j += 128) {  // stay in 64's order)
+            __m256i a = _mm256_loadu_si256((const __m256i*)&p.q[j + 32]);
+            _mm256_storeu_si256((__m256i*)&p.q[j + 32], _mm256_loadu_si256((const __m256i*)&p.q[j + 64]));
+            _mm256_storeu_si256((__m256i*)&p.q[j + 64], a);
+        }
+}
+
+static inline __m256i sum8x8_i32(const __m256i* a) {
+    __m256i s01 = _mm256_hadd_epi32(a[0], a[1]), s23 = _mm256_hadd_epi32(a[2], a[3]);
+    __m256i s45 = _mm256_hadd_epi32(a[4], a[5]), s67 = _mm256_hadd_epi32(a[6], a[7]);
+    __m256i s0123 = _mm256_hadd_epi32(s01, s23), s4567 = _mm256_hadd_epi32(s45, s67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0123, s4567, 0x20),
+                            _mm256_permute2x128_si256(s0123, s4567, 0x31));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define WIDE 1  // 512-bit steps for the int8 and int4 products
+#else
+#define WIDE 0
+#endif
+#define FLIP (WIDE ? 128 : 0)
+
+// int8 w (scale per row) against x in blocks of 32; returns 8 lanes whose sum less FLIP x sum of p.c is the product.
+// AVX2: |w| times x with w's sign, as maddubs wants unsigned by signed. AVX-512 VNNI: w + 128 as unsigned (one xor),
+// so sum (w + 128) x = sum w x + 128 sum x, the last taken off once a row; 64 weights a step, its 16 int32 sums
+// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's), which is quicker
+// than gathering 8 blocks' sums into one vector first (HOW_IT_WORKS.md, "The int8 and int4 products").
+static inline __m256 dot_i8(const XQ& p, const int8_t* w, int64_t K) {
+    __m256 total = _mm256_setzero_ps();
+    int64_t k = 0;
+#if WIDE
+    const __m512i flip = _mm512_set1_epi8(-128);
+    __m512 wacc = _mm512_setzero_ps();
+    for (; k + 256 <= K; k += 256) {
+        const __m512 d = _mm512_castps256_ps512(_mm256_loadu_ps(&p.d[k / 32]));
+        for (int i = 0; i < 4; i++) {
+            ahead(w + k + 64 * i);
+            __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + k + 64 * i), flip);
+            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(&p.q[k + 64 * i]));
+            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1);
+            wacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, d), wacc);
+        }
+    }
+    total = _mm256_add_ps(_mm512_castps512_ps256(wacc),
+                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc), 1)));
+    if (k < K) {  // the last blocks, fewer than 8 (d is 0 past the last)
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) {
+            acc[i] = _mm256_setzero_si256();
+            if (k + 32 * i >= K) continue;  // nothing read past the row
+            __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k + 32 * i)), _mm256_set1_epi8(-128));
+            acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p.q[k + 32 * i]));
+        }
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p.d[k / 32]), total);
+    }
+#else
+    for (; k < K; k += 32) {
+        ahead(w + k, AHEAD4);
+        __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), x = _mm256_loadu_si256((const __m256i*)&p.q[k]);
+        __m256i a = _mm256_sign_epi8(v, v), sx = _mm256_sign_epi8(x, v);
+#ifdef __AVX512VNNI__
+        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, sx);
+#else
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1));
+#endif
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&p.d[k / 32]), total);
+    }
+#endif
+    return total;
+}
+
+// 64 packed int4 weights (32 bytes) times 64 int8 x in even-odd order -> 8 int32 sums of 8 products each
+static inline __m256i dot64(const uint8_t* w, const int8_t* x) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    __m256i v = _mm256_loadu_si256((const __m256i*)w);
+    __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    __m256i xe = _mm256_loadu_si256((const __m256i*)x), xo = _mm256_loadu_si256((const __m256i*)(x + 32));
+#ifdef __AVX512VNNI__
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+#else
+    return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)),
+                             _mm256_set1_epi16(1));
+#endif
+}
+
+#if WIDE
+// 128 packed int4 weights (64 bytes) times 128 int8 x in even-odd order by 128, added to a's 16 int32 sums. One load
+// kept for both nibbles: folded into each use, it was loaded twice.
+static inline __m512i dot128(__m512i a, const uint8_t* w, const int8_t* x) {
+    __m512i v = _mm512_loadu_si512(w);
+    asm("" : "+v"(v));
+    const __m512i nib = _mm512_set1_epi8(15);
+    a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, nib), _mm512_loadu_si512(x));
+    return _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), _mm512_loadu_si512(x + 64));
+}
+
+// n <= 8 groups' products in 512-bit steps, added to acc: each step's 16 int32 sums converted and scaled where they
+// lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's; G 32: four lanes a group), with no
+// horizontal sums: quicker than summing each group's lanes first, and than 256-bit steps for G 32 (GGUF's Q4_0 and
+// Q4_1); HOW_IT_WORKS.md, "The int8 and int4 products". sd: the 8 groups' scale x d.
+template <int G>
+static inline __m512 group_products_wide(const uint8_t* w, const int8_t* x, int n, __m256 sd, __m512 acc) {
+    const __m512 s = _mm512_castps256_ps512(sd);
+    if constexpr (G >= 128) {
+        for (int i = 0; i < n; i++) {
+            __m512i a = _mm512_setzero_si512();
+            for (int j = 0; j < G / 128; j++) {
+                ahead(w + i * G / 2 + 64 * j, AHEAD4);
+                a = dot128(a, w + i * G / 2 + 64 * j, x + i * G + 128 * j);
+            }
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(_mm512_set1_epi32(i), s), acc);
+        }
+        return acc;
+    }
+    int i = 0;
+    if (G == 32)  // a step holds four groups, a quarter each
+        for (; i + 4 <= n; i += 4) {
+            ahead(w + 16 * i, AHEAD4);
+            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i),
+                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 16 * i, x + 32 * i)),
+                                  _mm512_permutexvar_ps(pick, s), acc);
+        }
+    else  // G 64: a step holds two groups, one in each half
+        for (; i + 2 <= n; i += 2) {
+            ahead(w + 32 * i, AHEAD4);
+            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 32 * i, x + 64 * i)),
+                                  _mm512_permutexvar_ps(pick, s), acc);
+        }
+    if (i < n) {  // G 32 or 64 with K 64 short of a multiple of 128: the row's last 64 weights (x in 64's order there)
+        const __m256i pick = G == 32 ? _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1) : _mm256_set1_epi32(i);
+        const __m256 half = _mm256_mul_ps(_mm256_cvtepi32_ps(dot64(w + G / 2 * i, x + G * i)),
+                                          _mm256_permutexvar_ps(pick, sd));
+        acc = _mm512_add_ps(acc, _mm512_zextps256_ps512(half));
+    }
+    return acc;
+}
+#endif
+
+// n <= 8 groups' (G 64 or more) products in 256-bit steps: acc[i] holds group i's in its 8 int32 lanes
+template <int G>
+static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i* acc) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int i = 0; i < 8; i++) {
+        acc[i] = _mm256_setzero_si256();
+        if (i >= n) continue;
+        for (int j = 0; j < G / 64; j++) {  // 64 weights per step; unrolled, G being a constant
+            const uint8_t* wg = w + i * G / 2 + 32 * j;
+            const int8_t* xg = x + i * G + 64 * j;
+            if ((G == 64 ? i : j) % 2 == 0) ahead(wg, AHEAD4);  // once a line
+            __m256i v = _mm256_loadu_si256((const __m256i*)wg);
+            __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            __m256i xe = _mm256_loadu_si256((const __m256i*)xg), xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
+#ifdef __AVX512VNNI__
+            acc[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[i], lo, xe), hi, xo);
+#else
+            acc[i] = _mm256_add_epi16(acc[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
+#endif
+        }
+#ifndef __AVX512VNNI__
+        acc[i] = _mm256_madd_epi16(acc[i], _mm256_set1_epi16(1));
+#endif
+    }
+}
+
+// int4 w = (q - 8) * scale + zero per group of G (32, 64, 128 or 256) along K, two q per byte (low nibble first). A group's
+// products add up in 16-bit lanes (at most G/64 x 2 x 2 x 15 x 127 < 2^15), or in 32-bit ones with dpbusd; per group
+// sum (q - 8) x ~ d * (sum q xq) - 8 c. The float work is done 8 groups at a time: the 8 groups' integer sums are
+// gathered into one vector, converted and scaled together. wide: AVX-512 VNNI steps of 128 weights (x in even-odd
+// order by 128), their float work per step instead (group_products_wide). A row 64 short of a multiple of 128
+// (SmolLM2's 576 columns) ends in a 256-bit step, and with G 32 or 64 the last groups past a multiple of 8 are scaled
+// in one masked vector; with G 128 they stay scalar. Returns 8 lanes that add up to the row's product.
+// HOW_IT_WORKS.md, "The int8 and int4 products".
+// 8 groups' scales s and zeros z (from g0): sd = s x d, and rest += z x sum x - 8 s x c
+static inline void group_scales(__m256 s, __m256 z, const XQ& p, int64_t g0, __m256* sd, __m256* rest) {
+    *sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
+    *rest = _mm256_fmadd_ps(z, _mm256_loadu_ps(&p.sum[g0]), *rest);
+    *rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), *rest);
+}
+
+template <int G, bool wide>
+static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
+    __m256 total = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
+#if WIDE
+    __m512 wacc = _mm512_setzero_ps();
+#endif
+    const int64_t groups = K / G;
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        __m256 sd;  // scale * d per group
+        if (g0 + 8 <= groups) {
+            group_scales(widen8(scales + g0), widen8(zeros + g0), p, g0, &sd, &rest);
+#if WIDE
+        } else if (G <= 64) {  // the last few groups, masked: nothing read past the row (p's d, c, sum are 0 there)
+            const __mmask8 live = (__mmask8)((1u << (groups - g0)) - 1);
+            group_scales(widen8(_mm_maskz_loadu_epi16(live, scales + g0)),
+                         widen8(_mm_maskz_loadu_epi16(live, zeros + g0)), p, g0, &sd, &rest);
+#endif
+        } else {
+            alignas(32) float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            float r = 0.f;
+            for (int64_t g = g0; g < groups; g++) {
+                f[g - g0] = from_bf16(scales[g]) * p.d[g];
+                r += from_bf16(zeros[g]) * p.sum[g] - 8.f * from_bf16(scales[g]) * p.c[g];
+            }
+            sd = _mm256_load_ps(f);
+            rest = _mm256_add_ps(rest, _mm256_setr_ps(r, 0, 0, 0, 0, 0, 0, 0));
+        }
+#ifdef __AVX512VNNI__
+        if (G == 32 && !wide) {  // two groups a 32-byte step: int32 lanes 0-3 are the first group's, 4-7 the second's
+            alignas(32) float f[8];
+            _mm256_store_ps(f, sd);
+            for (int64_t g = g0; g < groups && g < g0 + 8; g += 2) {
+                if ((g - g0) % 4 == 0) ahead(w + g * 16, AHEAD4);
+                __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&f[g - g0])),
+                                                _mm_broadcast_ss(&f[g - g0 + 1]), 1);
+                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(w + g * 16, &p.q[g * 32])), s, total);
+            }
+            continue;
+        }
+#else
+        if (G == 32) {  // two groups a 32-byte step: bytes 0-15 hold the first's, 16-31 the second's
+            const __m256i nib = _mm256_set1_epi8(15);
+            __m256i r[4];  // 16-bit sums: 4 products each, 4 of them added below (4 x 4 x 15 x 127 < 2^15)
+            for (int i = 0; i < 4; i++) {
+                r[i] = _mm256_setzero_si256();
+                if (g0 + 2 * i >= groups) continue;
+                const uint8_t* wg = w + (g0 + 2 * i) * 16;
+                const int8_t* xg = &p.q[(g0 + 2 * i) * 32];
+                if (i % 2 == 0) ahead(wg, AHEAD4);
+                __m256i v = _mm256_loadu_si256((const __m256i*)wg);
+                __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                r[i] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)xg)),
+                                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(xg + 32))));
+            }
+            // the 8 groups' sums gathered in one vector, in the order 0, 2, 4, 6, 1, 3, 5, 7, converted and scaled
+            // together: quicker than converting and scaling each step's pair
+            __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(r[0], r[1]), _mm256_hadd_epi16(r[2], r[3]));
+            sd = _mm256_permutevar8x32_ps(sd, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+            total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1))), sd, total);
+            continue;
+        }
+#endif
+        __m256i acc[8];
+        const int n = groups - g0 < 8 ? groups - g0 : 8;
+#if WIDE
+        if (wide) {
+            // a constant 8 unrolls the steps, which n alone does not
+            if (G <= 64 && n == 8) wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], 8, sd, wacc);
+            else wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, sd, wacc);
+            continue;
+        }
+#endif
+        if (n == 8) group_sums<G>(w + g0 * G / 2, &p.q[g0 * G], 8, acc);
+        else group_sums<G>(w + g0 * G / 2, &p.q[g0 * G], n, acc);
+        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), sd, total);
+    }
+#if WIDE
+    total = _mm256_add_ps(total, _mm256_add_ps(_mm512_castps512_ps256(wacc),
+                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc), 1))));
+#endif
+    return _mm256_add_ps(total, rest);
+}
+
+// the output head's int8 product (f32): x kept in fp32, each weight widened, so that logits closer than x's int8
+// rounding would move them (a small model's top two) keep their order
+static inline float dot_i8_exact(const float* x, const int8_t* w, int64_t K) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 32) {
+        if (k % 64 == 0) ahead(w + k);  // as the other products do
+        for (int c = 0; c < 4; c++) {
+            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * c))));
+            a[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k + 8 * c), a[c]);
+        }
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+}
+
+// Many rows of x (prefill, verification): tiles of 2 rows of x by 2 rows of w, as tile_i4 below; out[a][b] =
+// x row a . w row b, before w's row scale
+static inline void tile_i8(const XQ* xr[2], const int8_t* wr[2], int64_t K, float out[2][2]) {
+    __m256 acc[2][2];
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256i v[2], av[2];
+        for (int b = 0; b < 2; b++)
+            v[b] = _mm256_loadu_si256((const __m256i*)(wr[b] + k)), av[b] = _mm256_sign_epi8(v[b], v[b]);
+        for (int a = 0; a < 2; a++) {
+            __m256i x = _mm256_loadu_si256((const __m256i*)&xr[a]->q[k]);
+            __m256 d = _mm256_broadcast_ss(&xr[a]->d[k / 32]);
+            for (int b = 0; b < 2; b++) {
+                __m256i sx = _mm256_sign_epi8(x, v[b]);
+#ifdef __AVX512VNNI__
+                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), av[b], sx);
+#else
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[b], sx), _mm256_set1_epi16(1));
+#endif
+                acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[a][b]);
+            }
+        }
+    }
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) out[a][b] = hsum8(acc[a][b]);
+}
+
+static constexpr int64_t NB = 32;  // rows of w per task: they stay in L2 while every pair of x rows goes over them
+
+static void gemm_i8(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* scales, void* y, int64_t M, int64_t N,
+                    int64_t K, int64_t f32) {
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t n0 = 0; n0 < N; n0 += NB)
+        for (int64_t m = 0; m < M; m += 2)
+            for (int64_t n = n0; n < N && n < n0 + NB; n += 2) {
+                const int64_t m1 = m + 1 < M ? m + 1 : m, n1 = n + 1 < N ? n + 1 : n;  // odd ones: twice
+                const XQ* xr[2] = {&xq[m], &xq[m1]};
+                const int8_t* wr[2] = {w + n * K, w + n1 * K};
+                float o[2][2];
+                tile_i8(xr, wr, K, o);
+                for (int a = 0; a < 2 && m + a < M; a++)
+                    for (int b = 0; b < 2 && n + b < N; b++)
+                        put(y, (m + a) * N + n + b, o[a][b] * from_bf16(scales[n + b]), f32);
+            }
+}
+
+// y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
+void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
+                          int64_t M, int64_t N, int64_t K, int64_t f32) {
+    if (f32) {
+        static thread_local vec<float> xs_;
+        vec<float>& xs = xs_;
+        xs.resize(M * K);
+        for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
+        share_rows(N, K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+            for (int64_t n = a; n < b; n++)
+                for (int64_t m = 0; m < M; m++)
+                    put(y, m * N + n, dot_i8_exact(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), 1);
+        });
+        return;
+    }
+    std::vector<XQ>& xq = xq_;  // (by reference in the parallel regions: a thread_local name is each thread's own)
+    xq.resize(M);
+    #pragma omp parallel for schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, 0, xq[m]);
+    if (M > 1) {
+        gemm_i8(xq, w, scales, y, M, N, K, f32);
+        return;
+    }
+    float shift = 0.f;  // FLIP x sum of c
+    for (int64_t b = 0; FLIP && b < K / 32; b++) shift += FLIP * xq[0].c[b];
+    share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {  // each weight row is read from memory once;
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;                 // 8 rows' sums reduced together
+            __m256 t[8];
+            for (int64_t i = 0; i < 8; i++) t[i] = dot_i8(xq[0], w + (n0 + (i < rows ? i : 0)) * K, K);
+            alignas(32) float o[8];
+            _mm256_store_ps(o, sum8x8(t));
+            for (int64_t i = 0; i < rows; i++) put(y, n0 + i, (o[i] - shift) * from_bf16(scales[n0 + i]), f32);
+        }
+    });
+}
+
+// One row of x. 8 weight rows at a time, their sums reduced together rather than each at the end of its row.
+template <int G, bool wide>
+static void gemv_i4(const XQ& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y, int64_t N,
+                    int64_t K, int64_t f32) {
+    share_rows((N + 7) / 8, 8 * (K / 2 + K / G * 4), CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            __m256 t[8];
+            for (int64_t i = 0; i < 8; i++) {
+                const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
+                t[i] = dot_i4<G, wide>(xq, w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
+            }
+            alignas(32) float o[8];
+            _mm256_store_ps(o, sum8x8(t));
+            for (int64_t i = 0; i < rows; i++) put(y, n0 + i, o[i], f32);
+        }
+    });
+}
+
+// Many rows of x (prefill, verification): a tile of 2 rows of x by 2 rows of w, so that each weight vector
+// unpacked serves both rows of x and each x vector loaded serves both rows of w, with 4 accumulators of each kind
+// in registers. per[b] points at w row b's scales, 8 x its scales and its zeros as floats (groups padded to a
+// multiple of 8 with zeros); out[a][b] = x row a . w row b.
+template <int G>
+static inline void tile_i4(const XQ* xr[2], const uint8_t* wr[2], const float* per[2][3], int64_t K, float out[2][2]) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    const int64_t groups = K / G;
+    __m256 acc[2][2];
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) acc[a][b] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        for (int a = 0; a < 2; a++)  // zero * sum x - 8 scale * c, 8 groups at once: added lane by lane, as the rest
+            for (int b = 0; b < 2; b++) {
+                __m256 z = _mm256_loadu_ps(per[b][2] + g0), s8 = _mm256_loadu_ps(per[b][1] + g0);
+                acc[a][b] = _mm256_fmadd_ps(z, _mm256_loadu_ps(&xr[a]->sum[g0]), acc[a][b]);
+                acc[a][b] = _mm256_fnmadd_ps(s8, _mm256_loadu_ps(&xr[a]->c[g0]), acc[a][b]);
+            }
+        if (G == 32) {  // two groups a load, as in dot_i4
+            for (int64_t g = g0; g < groups && g < g0 + 8; g += 2)
+                for (int a = 0; a < 2; a++)
+                    for (int b = 0; b < 2; b++) {
+                        __m256 s = _mm256_insertf128_ps(_mm256_set1_ps(per[b][0][g] * xr[a]->d[g]),
+                                                        _mm_set1_ps(per[b][0][g + 1] * xr[a]->d[g + 1]), 1);
+                        __m256i p = dot64(wr[b] + g * 16, &xr[a]->q[g * 32]);
+                        acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[a][b]);
+                    }
+            continue;
+        }
+        for (int64_t g = g0; g < groups && g < g0 + 8; g++) {
+            __m256i p[2][2];
+            for (int a = 0; a < 2; a++)
+                for (int b = 0; b < 2; b++) p[a][b] = _mm256_setzero_si256();
+            for (int j = 0; j < G / 64; j++) {
+                __m256i lo[2], hi[2];
+                for (int b = 0; b < 2; b++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i*)(wr[b] + g * G / 2 + 32 * j));
+                    lo[b] = _mm256_and_si256(v, nib), hi[b] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                }
+                for (int a = 0; a < 2; a++) {
+                    const int8_t* xg = &xr[a]->q[g * G + 64 * j];
+                    __m256i xe = _mm256_loadu_si256((const __m256i*)xg);
+                    __m256i xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
+                    for (int b = 0; b < 2; b++)
+#ifdef __AVX512VNNI__
+                        p[a][b] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(p[a][b], lo[b], xe), hi[b], xo);
+#else
+                        p[a][b] = _mm256_add_epi16(p[a][b], _mm256_add_epi16(_mm256_maddubs_epi16(lo[b], xe),
+                                                                             _mm256_maddubs_epi16(hi[b], xo)));
+#endif
+                }
+            }
+            for (int a = 0; a < 2; a++)
+                for (int b = 0; b < 2; b++) {
+#ifndef __AVX512VNNI__
+                    p[a][b] = _mm256_madd_epi16(p[a][b], _mm256_set1_epi16(1));
+#endif
+                    __m256 sd = _mm256_set1_ps(per[b][0][g] * xr[a]->d[g]);
+                    acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[a][b]), sd, acc[a][b]);
+                }
+        }
+    }
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++) out[a][b] = hsum8(acc[a][b]);
+}
+
+template <int G>
+static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                    void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
+    const int64_t groups = K / G, g8 = (groups + 7) / 8 * 8;
+    #pragma omp parallel for schedule(dynamic)
+    for (int64_t n0 = 0; n0 < N; n0 += NB) {
+        const int64_t nb = NB < N - n0 ? NB : N - n0;
+        vec<float> f(3 * nb * g8, 0.f);  // per row: scales, 8 x scales, zeros
+        for (int64_t n = 0; n < nb; n++)
+            for (int64_t g = 0; g < groups; g++) {
+                float sc = from_bf16(scales[(n0 + n) * groups + g]);
+                f[(3 * n) * g8 + g] = sc, f[(3 * n + 1) * g8 + g] = 8.f * sc;
+                f[(3 * n + 2) * g8 + g] = from_bf16(zeros[(n0 + n) * groups + g]);
+            }
+        for (int64_t m = 0; m < M; m += 2)
+            for (int64_t n = 0; n < nb; n += 2) {
+                const int64_t m1 = m + 1 < M ? m + 1 : m, n1 = n + 1 < nb ? n + 1 : n;  // odd ones: twice
+                const XQ* xr[2] = {&xq[m], &xq[m1]};
+                const uint8_t* wr[2] = {w + (n0 + n) * K / 2, w + (n0 + n1) * K / 2};
+                const float* per[2][3] = {{&f[3 * n * g8], &f[(3 * n + 1) * g8], &f[(3 * n + 2) * g8]},
+                                          {&f[3 * n1 * g8], &f[(3 * n1 + 1) * g8], &f[(3 * n1 + 2) * g8]}};
+                float o[2][2];
+                tile_i4<G>(xr, wr, per, K, o);
+                for (int a = 0; a < 2 && m + a < M; a++)
+                    for (int b = 0; b < 2 && n + b < nb; b++) put(y, (m + a) * N + n0 + n + b, o[a][b], f32);
+            }
+    }
+}
+
+// y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16); K a multiple of 64
+void fast_decode::gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                          void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
+    std::vector<XQ>& xq = xq_;
+    xq.resize(M);
+    const bool wide = WIDE && M == 1;
+    #pragma omp parallel for schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, wide ? 128 : 64, xq[m]);
+    if (M > 1) {
+        if (G == 32) gemm_i4<32>(xq, w, scales, zeros, y, M, N, K, f32);
+        else if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
+        else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
+        else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
+    } else if (G == 32) (wide ? gemv_i4<32, true> : gemv_i4<32, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+    else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+    else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+    else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+}
+
+// prefill's int4 weights: w [N, K / 2] packed, scales and zeros [N, K / G] -> out [N, K] in fp32 (or bf16), for a
+// GEMM of many rows; one pass, 32 weights a step (quicker than a table lookup per weight)
+void fast_decode::dequantize_int4(const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* out,
+                                int64_t N, int64_t K, int64_t G, int64_t f32) {
+    const __m128i nib = _mm_set1_epi8(15);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t g = 0; g < K / G; g++) {
+            const __m256 s = _mm256_set1_ps(from_bf16(scales[n * (K / G) + g]));
+            const __m256 z = _mm256_set1_ps(from_bf16(zeros[n * (K / G) + g]));
+            const uint8_t* wg = w + (n * K + g * G) / 2;
+            const int64_t at = n * K + g * G;
+            for (int64_t j = 0; j < G / 2; j += 16) {  // 16 bytes: weights at + 2j .. at + 2j + 31, in order
+                __m128i b = _mm_loadu_si128((const __m128i*)(wg + j));
+                __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+                __m128i q[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+                for (int i = 0; i < 4; i++) {  // (q - 8) * s + z, 8 at a time
+                    __m256i qi = _mm256_cvtepu8_epi32(i % 2 ? _mm_srli_si128(q[i / 2], 8) : q[i / 2]);
+                    __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(8.f));
+                    v = _mm256_fmadd_ps(v, s, z);
+                    if (f32) _mm256_storeu_ps((float*)out + at + 2 * j + 8 * i, v);
+                    else _mm_storeu_si128((__m128i*)((uint16_t*)out + at + 2 * j + 8 * i), to_bf16x8(v));
+                }
+            }
+        }
+}

@@ -1,0 +1,167 @@
+// The batch-1 decode step: model.py's forward for one token over kernels.h's Model, on this set's kernels, and the
+// greedy loop around it (HOW_IT_WORKS.md, "Batch-1 decoding on a CPU is one C++ call").
+#include "common.h"
+#include "kernels.h"
+
+// (bf16_bits, to_bf16x8, widen8 and hsum8: common.h's)
+static inline __m256 round8(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+static inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
+
+// e^x, within 3e-7 relative (2.3e-7 at worst over -87..88): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+// series to r^6, times 2^n
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts: r stays exact
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// model.py's RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to bf16, times the weight, rounded again
+static void rmsnorm(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps) {
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) s = _mm256_fmadd_ps(widen8(x + i), widen8(x + i), s);
+    const __m256 r = _mm256_set1_ps(1.f / sqrtf(hsum8(s) / n + eps));
+    for (int64_t i = 0; i < n; i += 8) store8(out + i, _mm256_mul_ps(round8(_mm256_mul_ps(widen8(x + i), r)),
+                                                                      widen8(w + i)));
+}
+
+static void add(uint16_t* x, const uint16_t* y, int64_t n) {  // x += y, in bf16
+    for (int64_t i = 0; i < n; i += 8) store8(x + i, _mm256_add_ps(widen8(x + i), widen8(y + i)));
+}
+
+// x [heads, D] rotated in place by model.py's apply_rotary_emb: interleaved pairs, cs [D / 2, 2] cos and sin
+static void rope(uint16_t* x, const float* cs, int64_t heads, int64_t D) {
+    for (int64_t h = 0; h < heads; h++, x += D)
+        for (int64_t i = 0; i < D; i += 8) {  // 4 pairs (a, b): a c - b s and b c + a s
+            const __m256 v = widen8(x + i), f = _mm256_loadu_ps(cs + i);
+            const __m256 swapped_sin = _mm256_mul_ps(_mm256_permute_ps(v, 0xb1), _mm256_movehdup_ps(f));
+            store8(x + i, _mm256_fmaddsub_ps(v, _mm256_moveldup_ps(f), swapped_sin));
+        }
+}
+
+// model.py's quantize_rows for one position: each block of n values to int8 with one float32 scale
+static void quantize_row(const uint16_t* x, int8_t* q, float* scale, int64_t D, int64_t n) {
+    for (int64_t b = 0; b < D; b += n, scale++) {
+        float m = 0.f;
+        for (int64_t i = b; i < b + n; i++) m = fmaxf(m, fabsf(from_bf16(x[i])));
+        *scale = m / 127;
+        const float d = *scale > 1e-30f ? *scale : 1e-30f;
+        for (int64_t i = b; i < b + n; i++) q[i] = (int8_t)nearbyintf(from_bf16(x[i]) / d);
+    }
+}
+
+using namespace fast_decode;
+
+static void product(const Linear& l, const uint16_t* x, void* y, int64_t f32 = 0) {
+    if (l.kind == 0) gemv_bf16(x, (const uint16_t*)l.w, y, 1, l.n, l.k, f32);
+    else if (l.kind == 1) gemv_int8(x, (const int8_t*)l.w, (const uint16_t*)l.scales, y, 1, l.n, l.k, f32);
+    else gemv_int4(x, (const uint8_t*)l.w, (const uint16_t*)l.scales, (const uint16_t*)l.zeros, y, 1, l.n, l.k, l.group,
+                   f32);
+}
+
+// logits [vocab] float32 of token at cache slot pos; its K and V are written there, and it attends to the slots
+// up to pos (the last `window` of them where the model slides): only those are read, with no mask, where the
+// compiled step reads a power-of-two bucket of slots and masks the rest (at 100 positions, 256 a layer)
+void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float* logits) {
+    const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D;
+    // the products' inputs are as long as the longest stored k, zeros past their own length (int4's padding)
+    int64_t cap = m.out.k;
+    for (const Linear* l : {&m.layers[0].qkv, &m.layers[0].o, &m.layers[0].w13, &m.layers[0].w2})
+        cap = l->k > cap ? l->k : cap;
+    static thread_local vec<uint16_t> x, xn, qkv, att, y, gu, act;
+    static thread_local vec<uint8_t> mask;
+    for (vec<uint16_t>* v : {&xn, &att, &act}) v->assign(cap, 0);
+    x.assign(m.embed + token * m.dim, m.embed + (token + 1) * m.dim);
+    const int64_t start = m.window && pos >= m.window ? pos + 1 - m.window : 0, L = pos + 1 - start;
+    qkv.resize(qn + 2 * kvn), y.resize(m.dim), gu.resize(2 * m.hidden), mask.assign(L, 1);
+    const float* cs = m.freqs + pos * D;
+    for (int64_t i = 0; i < m.n_layer; i++) {
+        const Layer& l = m.layers[i];
+        rmsnorm(x.data(), l.attn_norm, xn.data(), m.dim, m.eps);
+        product(l.qkv, xn.data(), qkv.data());
+        if (l.bqkv) add(qkv.data(), l.bqkv, qn + 2 * kvn);
+        uint16_t *q = qkv.data(), *k = q + qn, *v = k + kvn;
+        rope(q, cs, H, D);
+        rope(k, cs, Hkv, D);
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t at = h * m.slots + pos;
+            if (!l.ks) {
+                memcpy((uint16_t*)l.k + at * D, k + h * D, 2 * D);
+                memcpy((uint16_t*)l.v + at * D, v + h * D, 2 * D);
+            } else {
+                quantize_row(k + h * D, (int8_t*)l.k + at * D, l.ks + at, D, D);
+                quantize_row(v + h * D, (int8_t*)l.v + at * D, l.vs + at * m.vb, D, D / m.vb);
+            }
+        }
+        if (!l.ks)
+            attend(q, (uint16_t*)l.k + start * D, (uint16_t*)l.v + start * D, mask.data(), att.data(), 1, H, Hkv, 1,
+                   L, D, Hkv * m.slots * D, m.slots * D, 0);
+        else
+            attend_int8(q, (int8_t*)l.k + start * D, l.ks + start, (int8_t*)l.v + start * D, l.vs + start * m.vb,
+                        mask.data(), att.data(), 1, H, Hkv, 1, L, D, Hkv * m.slots * D, m.slots * D, Hkv * m.slots,
+                        m.slots, Hkv * m.slots * m.vb, m.slots * m.vb, 0);
+        product(l.o, att.data(), y.data());
+        add(x.data(), y.data(), m.dim);
+        rmsnorm(x.data(), l.ffn_norm, xn.data(), m.dim, m.eps);
+        product(l.w13, xn.data(), gu.data());
+        for (int64_t j = 0; j < m.hidden; j += 8) {  // silu(gate) * up in fp32, rounded once, as inductor fuses it
+            const __m256 g = widen8(&gu[j]), u = widen8(&gu[m.hidden + j]);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+            store8(&act[j], _mm256_mul_ps(s, u));
+        }
+        product(l.w2, act.data(), y.data());
+        add(x.data(), y.data(), m.dim);
+    }
+    rmsnorm(x.data(), m.norm, xn.data(), m.dim, m.eps);
+    product(m.out, xn.data(), logits, 1);
+}
+
+// the greedy token of logits [V]: the first index of the largest (torch.argmax's), or -1 where one is not finite
+// (generate.sample's NOT_FINITE), in one pass where torch takes three ops (HOW_IT_WORKS.md, "Batch-1 decoding on a
+// CPU is one C++ call")
+int64_t fast_decode::greedy(const float* logits, int64_t V) {
+    __m256 top = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+    __m256i at = _mm256_setzero_si256(), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {  // per lane the first largest: only a strictly larger value moves it
+        const __m256 v = _mm256_loadu_ps(logits + i), gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
+        bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));  // 0, or NaN from an infinity or a NaN
+        top = _mm256_blendv_ps(top, v, gt);
+        at = _mm256_blendv_epi8(at, _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), lane), _mm256_castps_si256(gt));
+    }
+    alignas(32) float tops[8], bads[8];
+    alignas(32) int32_t ats[8];
+    _mm256_store_ps(tops, top), _mm256_store_ps(bads, bad), _mm256_store_si256((__m256i*)ats, at);
+    float best = -INFINITY;
+    int64_t pick = 0;
+    for (int l = 0; l < 8; l++) {
+        if (bads[l] != 0.f) return -1;
+        if (tops[l] > best || (tops[l] == best && ats[l] < pick)) best = tops[l], pick = ats[l];
+    }
+    for (; i < V; i++) {
+        if (!isfinite(logits[i])) return -1;
+        if (logits[i] > best) best = logits[i], pick = i;
+    }
+    return pick;
+}
+
+// greedy decoding from token at slot pos: a step a token, each fed the last one's pick, into out[0, n), until n
+// tokens, one of eos[0, n_eos) or a -1 (a logit not finite). Returns the tokens written. No Python between steps:
+// the torch ops generate's loop runs a token have their code and data evicted by the weights.
+int64_t fast_decode::decode_greedy(const Model& model, int64_t token, int64_t pos, int64_t n, int64_t* out,
+                                   const int64_t* eos, int64_t n_eos, float* logits, int64_t vocab) {
+    for (int64_t i = 0; i < n; i++) {
+        decode_step(model, token, pos + i, logits);
+        token = out[i] = greedy(logits, vocab);
+        bool end = token < 0;
+        for (int64_t e = 0; e < n_eos; e++) end |= token == eos[e];
+        if (end) return i + 1;
+    }
+    return n;
+}
