@@ -26,7 +26,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import FeedForward, GateUp
 
 try:
     import triton
@@ -155,17 +154,9 @@ def replacement(m: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def joined(a: nn.Module, b: nn.Module) -> Optional[nn.Module]:  # a's outputs, then b's; None if not of one kind
-    if type(a) is not type(b) or type(a) not in (GemvBf16, GemvInt8):
-        return None
-    if type(a) is GemvBf16:
-        return GemvBf16(torch.cat([a.weight, b.weight]))
-    return GemvInt8(torch.cat([a.weight, b.weight]), torch.cat([a.scales, b.scales]))
-
-
 def install(model: nn.Module) -> int:
-    """Replace the model's CUDA bf16 and int8 linear layers, in place, by ones on these kernels, and join each
-    feed-forward's gate and up layers. Returns how many layers were replaced; 0 without Triton."""
+    """Replace the model's CUDA bf16 and int8 linear layers, in place, by ones on these kernels. Returns how many
+    layers were replaced; 0 without Triton."""
     if triton is None:
         return 0
     count = 0
@@ -175,11 +166,6 @@ def install(model: nn.Module) -> int:
             if new is not None:
                 setattr(parent, name, new)
                 count += 1
-    for parent in list(model.modules()):
-        for name, ff in parent.named_children():
-            w13 = joined(ff.w1, ff.w3) if isinstance(ff, FeedForward) else None
-            if w13 is not None:
-                setattr(parent, name, GateUp(w13, ff.w2))
     return count
 
 
