@@ -332,7 +332,8 @@ def memory_needed(args: ModelArgs, sizes: dict, dtype, batch: int = 0, seq_len: 
     blocks = args.head_dim // 32 if args.head_dim % 32 == 0 else 1  # V's scales per position (K has one)
     per_head = args.head_dim + 2 + 2 * blocks if kv_int8 else args.head_dim * elt  # the mean of K's and V's
     kv = 2 * args.n_layer * batch * args.n_kv_head * seq_len * per_head
-    acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 3 * args.intermediate_size) * elt
+    # the MLP holds 4 x intermediate_size a token at once: w13's gate and up, silu(gate), and their product
+    acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 4 * args.intermediate_size) * elt
                                  + args.n_head * seq_len * 4)
     return {"weights": weights // share, "KV cache": kv // share, "activations": acts // share}
 
