@@ -31,7 +31,7 @@ class ModelArgs:
         self.n_kv_head = self.n_head if self.n_kv_head == -1 else self.n_kv_head
         self.head_dim = self.dim // self.n_head if self.head_dim == -1 else self.head_dim
         if self.intermediate_size == -1:  # Llama's rule: 2/3 of 4 * dim, rounded up to a multiple of 256
-            self.intermediate_size = -(-(8 * self.dim // 3) // 256) * 256
+            self.intermediate_size = 256 * math.ceil(8 * self.dim // 3 / 256)
         sizes = (self.vocab_size, self.n_layer, self.n_head, self.n_kv_head, self.dim, self.head_dim,
                  self.intermediate_size, self.block_size)
         if min(sizes) < 1 or self.sliding_window < 0:
