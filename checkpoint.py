@@ -50,7 +50,8 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
         raise ValueError(f"checkpoint directory is empty: {path}")
     if is_hf_checkpoint(ckpt_dir):
         raise ValueError(f"{ckpt_dir} is a Hugging Face checkpoint; convert it first: python "
-                         f"{script('convert_hf_checkpoint.py')} --checkpoint_dir {ckpt_dir} --out_dir {ckpt_dir}-native")
+                         f"{script('convert_hf_checkpoint.py')} --checkpoint_dir {ckpt_dir} "
+                         f"--out_dir {ckpt_dir}-native")
     weights = path if path.is_file() else next((ckpt_dir / n for n in ("model.safetensors", "model.pth")
                                                 if (ckpt_dir / n).is_file()), None)
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
@@ -247,7 +248,9 @@ def dequantized(parts: dict, in_features: int, dtype) -> torch.Tensor:  # a laye
     if "zeros" in parts:
         w = quantize.dequantize_int4(quantize.unpack_nibbles(parts["weight"]), parts["scales"], parts["zeros"])
         return w[:, :in_features].to(dtype)
-    return (quantize.dequantize_int8(parts["weight"], parts["scales"]) if "scales" in parts else parts["weight"]).to(dtype)
+    if "scales" in parts:
+        return quantize.dequantize_int8(parts["weight"], parts["scales"]).to(dtype)
+    return parts["weight"].to(dtype)
 
 
 def join_gate_up(state: dict, in_features: int, dtype) -> dict:
@@ -545,8 +548,8 @@ def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
 def save(out_dir, args: ModelArgs, state: dict, tokenizer, metadata: Optional[dict] = None,
          extra: Optional[dict] = None, force: bool = False, inputs=()) -> Path:
     """Write a checkpoint: state's tensors (a model's w13 as w1 and w3), args, the tokenizer and `extra`
-    {name: text}. tokenizer is a file
-    (copied as tokenizer.model, or under its name if it is one of TOKENIZER_FILES) or {name: Path or text}.
+    {name: text}. tokenizer is a file (copied as tokenizer.model, or under its name if it is one of
+    TOKENIZER_FILES) or {name: Path or text}.
     check_writable decides whether out_dir may be written. The files go to a sibling directory that is then
     renamed into place, so an interrupted save leaves the earlier checkpoint or none, never a mix of the two."""
     out_dir = Path(out_dir)
