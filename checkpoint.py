@@ -293,7 +293,7 @@ def check_state(state: dict, args: ModelArgs, quantization, what: str):
         expected.pop("output.weight")
     for k in sorted(expected.keys() | state.keys()):
         if k not in state or k not in expected:
-            problem = "lacks" if k not in state else "has an unexpected"
+            problem = "lack" if k not in state else "have an unexpected"
             raise ValueError(f"{what} disagree: the weights {problem} tensor {k}")
         want, got = expected[k], state[k]
         if got.shape != want.shape or (got.is_floating_point() != want.is_floating_point()) or \
