@@ -1,5 +1,7 @@
 """Native checkpoints, read and written here and nowhere else. A checkpoint is a directory:
-  model.safetensors  the weights under model.py's names; a quantized one says its mode in the metadata
+  model.safetensors  the weights under model.py's names, except that each feed-forward's gate and up layers are
+                     kept apart as w1 and w3 (the model joins them as w13 on load); a quantized file says its mode
+                     in the metadata
   config.json        the fields of model.ModelArgs
   tokenizer.model    SentencePiece or tiktoken, or tokenizer.json (tokenizer.py tells which from the content),
                      with tokenizer_config.json, generation_config.json and chat_template.jinja where the model has them
@@ -47,12 +49,16 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
     if path.is_dir() and not any(path.iterdir()):
         raise ValueError(f"checkpoint directory is empty: {path}")
     if is_hf_checkpoint(ckpt_dir):
-        convert = Path(__file__).resolve().parent / "scripts" / "convert_hf_checkpoint.py"
-        script = os.path.relpath(convert) if not os.path.relpath(convert).startswith("..") else convert
-        raise ValueError(f"{ckpt_dir} is a Hugging Face checkpoint; convert it first: python {script} "
-                         f"--checkpoint_dir {ckpt_dir} --out_dir {ckpt_dir}-native")
+        raise ValueError(f"{ckpt_dir} is a Hugging Face checkpoint; convert it first: python "
+                         f"{script('convert_hf_checkpoint.py')} --checkpoint_dir {ckpt_dir} "
+                         f"--out_dir {ckpt_dir}-native")
     weights = path if path.is_file() else next((ckpt_dir / n for n in ("model.safetensors", "model.pth")
                                                 if (ckpt_dir / n).is_file()), None)
+    ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if ggufs and (weights is None or weights == ggufs[0]):
+        gguf = ggufs[0]
+        raise ValueError(f"{gguf} is a GGUF file (llama.cpp's format); convert it first: python "
+                         f"{script('convert_gguf.py')} --gguf {gguf} --out_dir {gguf.with_suffix('')}")
     if weights is None or weights.suffix not in (".safetensors", ".pth"):
         raise ValueError(f"not a checkpoint: {path} has no model.safetensors (see scripts/convert_hf_checkpoint.py)")
     if not (ckpt_dir / "config.json").is_file():
@@ -60,10 +66,27 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
     return ckpt_dir, weights
 
 
+def script(name: str) -> str:
+    """How to name one of scripts/ on a command line: relative to the working directory when it is below it."""
+    path = Path(__file__).resolve().parent / "scripts" / name
+    return str(path) if os.path.relpath(path).startswith("..") else os.path.relpath(path)
+
+
+def read_json(path: Path, what: str = "valid JSON"):
+    """The value in a JSON file, or a ValueError naming the file. Python's parser recurses once per nesting level,
+    so a file of a hundred thousand '[' would otherwise end in a RecursionError."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not {what}: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not {what}: it is nested too deeply") from None
+
+
 def is_hf_checkpoint(ckpt_dir: Path) -> bool:
     """A Hugging Face model folder: its config.json names the architecture (ours holds ModelArgs' fields only)."""
     try:
-        cfg = json.loads((ckpt_dir / "config.json").read_text())
+        cfg = read_json(ckpt_dir / "config.json")
         return isinstance(cfg, dict) and ("model_type" in cfg or "architectures" in cfg)
     except (OSError, ValueError):
         return False
@@ -108,13 +131,64 @@ def check_config(cfg, where: str) -> ModelArgs:
         raise ValueError(f"{where}: {e}") from None
 
 
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2")  # the model_types whose tensors and arithmetic are model.py's
+
+
+def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs from a Hugging Face config.json (transformers 4 or 5 layout) of the Llama layout: SiLU, RMSNorm,
+    RoPE, and at most one sliding window shared by every layer (Mistral). qkv_bias (Qwen2) is not a config field
+    there: the converter reads it from the weights."""
+    if cfg.get("model_type", "llama") not in LLAMA_LAYOUT:  # other architectures may share Llama's tensor names
+        raise ValueError(f"model_type {cfg['model_type']!r} is not supported: only the Llama layout "
+                         f"({', '.join(LLAMA_LAYOUT)}) converts")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only SiLU, as in Llama)")
+    if cfg.get("attention_bias"):  # every transformers model with this flag puts a bias on o_proj too
+        raise ValueError("attention_bias: o_proj biases are not supported (q/k/v biases, as in Qwen2, are)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias: MLP biases are not supported")
+    # fields that rescale what the same tensors compute (Granite's multipliers, Gemma-2's soft caps, SmolLM3's
+    # layers without RoPE): the weights would load and the model would silently compute something else
+    odd = [k for k, v in cfg.items() if v is not None and (k.startswith("no_rope") or k.endswith(
+           ("_multiplier", "_softcapping", "logits_scaling")))]
+    if odd:
+        raise ValueError(f"config field {odd[0]} changes what the weights compute; not part of the Llama layout")
+    missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
+               if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+    scaling = cfg.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported (only Llama-3.1 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    n_head, n_layer = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:  # Qwen2's older layout
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n_layer)]
+    kinds = set(types or ())
+    if len(kinds) > 1:
+        raise ValueError(f"layers mix {' and '.join(sorted(kinds))}; only one attention kind for every layer "
+                         f"is supported")
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types {kinds.pop()!r} is not supported (full_attention or sliding_attention)")
+    # Qwen2 sets sliding_window but slides only with use_sliding_window; layer_types, where given, decides
+    slides = cfg.get("use_sliding_window") is not False and kinds != {"full_attention"}
+    window = cfg.get("sliding_window") if slides else 0
+    return ModelArgs(
+        vocab_size=cfg["vocab_size"], n_layer=n_layer, n_head=n_head,
+        n_kv_head=cfg.get("num_key_value_heads") or n_head, dim=cfg["hidden_size"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, intermediate_size=cfg["intermediate_size"],
+        rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rope_scaling={k: scaling[k] for k in keys} if rope_type == "llama3" else None,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), block_size=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window or 0)  # null: none
+
+
 def read_config(ckpt_dir: Path) -> ModelArgs:
     path = ckpt_dir / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a model config: {str(e).splitlines()[0]}") from None
-    return check_config(cfg, str(path))
+    return check_config(read_json(path, "a model config"), str(path))
 
 
 def read_quantization(weights: Path) -> Optional[tuple[str, int]]:
@@ -159,22 +233,67 @@ def meta_model(args: ModelArgs, quantization: Optional[tuple[str, int]], names=N
     return model
 
 
+def stored_gate_up(args: ModelArgs, quantization, names) -> nn.Module:
+    """Every layer's gate (w1) and up (w3) layers as a file stores them, on the meta device, under the file's names
+    (the model holds them joined: see join_gate_up)."""
+    linear = lambda: nn.Linear(args.dim, args.intermediate_size, bias=False)  # noqa: E731
+    with torch.device("meta"):
+        layers = nn.ModuleList(nn.ModuleDict({"feed_forward": nn.ModuleDict({"w1": linear(), "w3": linear()})})
+                               for _ in range(args.n_layer))
+        module = nn.ModuleDict({"layers": layers})
+        return quantize.install(module, *quantization, names) if quantization else module
+
+
+def dequantized(parts: dict, in_features: int, dtype) -> torch.Tensor:  # a layer's stored tensors -> [N, K] float
+    if "zeros" in parts:
+        w = quantize.dequantize_int4(quantize.unpack_nibbles(parts["weight"]), parts["scales"], parts["zeros"])
+        return w[:, :in_features].to(dtype)
+    if "scales" in parts:
+        return quantize.dequantize_int8(parts["weight"], parts["scales"]).to(dtype)
+    return parts["weight"].to(dtype)
+
+
+def join_gate_up(state: dict, in_features: int, dtype) -> dict:
+    """Each layer's gate (w1) and up (w3) tensors joined, in place, into the model's w13: the gate's rows, then the
+    up's. Float, int8 and int4 layouts all keep output rows on dim 0 (see quantize.py), so they join as stored; a
+    gate and an up of two kinds (a GGUF import may mix them) are both dequantized to `dtype` first."""
+    for key in [k for k in state if k.endswith(".feed_forward.w1.weight")]:
+        prefix = key.removesuffix("w1.weight")
+        gate, up = ({k.rsplit(".", 1)[1]: state.pop(k) for k in list(state) if k.startswith(f"{prefix}{w}.")}
+                    for w in ("w1", "w3"))
+        if gate.keys() != up.keys():
+            gate, up = ({"weight": dequantized(p, in_features, dtype)} for p in (gate, up))
+        state.update({f"{prefix}w13.{name}": torch.cat([gate[name], up[name]]) for name in gate})
+    return state
+
+
+def split_gate_up(state: dict) -> dict:
+    """A model's tensors as a file keeps them: each w13 split back into the w1 and w3 it was joined from."""
+    out = {}
+    for k, t in state.items():
+        if ".feed_forward.w13." in k:
+            out[k.replace(".w13.", ".w1.")], out[k.replace(".w13.", ".w3.")] = t.chunk(2)
+        else:
+            out[k] = t
+    return out
+
+
 def float_head(model: Transformer) -> bool:
     return type(model.output) is torch.nn.Linear
 
 
 def check_state(state: dict, args: ModelArgs, quantization, what: str):
-    """Raise if the tensors are not exactly those the config (and quantization) describe."""
-    model = meta_model(args, quantization, state.keys())
-    kinds = {type(m) for m in model.modules()}
+    """Raise if the tensors, as a file stores them, are not exactly those the config (and quantization) describe."""
+    model, gate_up = meta_model(args, quantization, state.keys()), stored_gate_up(args, quantization, state.keys())
+    kinds = {type(m) for m in (*model.modules(), *gate_up.modules())}
     if quantization and {"int8": quantize.Int8Linear, "int4": quantize.Int4Linear}[quantization[0]] not in kinds:
         raise ValueError(f"{what} disagree: no layer holds {quantization[0]} tensors")
-    expected = model.state_dict()
+    expected = {k: t for k, t in model.state_dict().items() if ".feed_forward.w13." not in k} | gate_up.state_dict()
     if args.tie_embeddings and float_head(model):  # a quantized head is stored apart from the embedding
         expected.pop("output.weight")
     for k in sorted(expected.keys() | state.keys()):
         if k not in state or k not in expected:
-            problem = "lacks" if k not in state else "has an unexpected"
+            problem = "lack" if k not in state else "have an unexpected"
             raise ValueError(f"{what} disagree: the weights {problem} tensor {k}")
         want, got = expected[k], state[k]
         if got.shape != want.shape or (got.is_floating_point() != want.is_floating_point()) or \
@@ -216,7 +335,8 @@ def memory_needed(args: ModelArgs, sizes: dict, dtype, batch: int = 0, seq_len: 
     blocks = args.head_dim // 32 if args.head_dim % 32 == 0 else 1  # V's scales per position (K has one)
     per_head = args.head_dim + 2 + 2 * blocks if kv_int8 else args.head_dim * elt  # the mean of K's and V's
     kv = 2 * args.n_layer * batch * args.n_kv_head * seq_len * per_head
-    acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 3 * args.intermediate_size) * elt
+    # the MLP holds 4 x intermediate_size a token at once: w13's gate and up, silu(gate), and their product
+    acts = batch * prompt_len * ((args.vocab_size + 4 * args.dim + 4 * args.intermediate_size) * elt
                                  + args.n_head * seq_len * 4)
     return {"weights": weights // share, "KV cache": kv // share, "activations": acts // share}
 
@@ -284,8 +404,10 @@ def load_tokenizer(checkpoint_path, args: ModelArgs) -> Tokenizer:
 
 
 def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels: str = "auto") -> Transformer:
-    """The model holding `state`, with the device's fastest kernels installed. `state` is emptied: its tensors
-    belong to the model now (on the CPU, copied into huge pages and each original freed as it goes)."""
+    """The model holding `state` (as a file stores it), with the device's fastest kernels installed. `state` is
+    emptied: its tensors belong to the model now (on the CPU, copied into huge pages and each original freed as it
+    goes)."""
+    state = join_gate_up(state, args.dim, dtype)
     model = meta_model(args, quantization, state.keys())
     model.load_state_dict(state, assign=True, strict=False)
     state.clear()
@@ -299,6 +421,7 @@ def build(args: ModelArgs, quantization, state: dict, device, dtype, cpu_kernels
         quantize.pack(model)  # the rest go to torch's int4 kernels, in their layout
     if torch.device(device).type == "cpu":
         into_huge_pages(model)
+        model.cache_zeros = cache_zeros
     return model.eval()
 
 
@@ -311,26 +434,39 @@ def huge_pages() -> bool:
         return False
 
 
-def huge_page_block(nbytes: int) -> Optional[torch.Tensor]:  # -> [nbytes] uint8
+def huge_page_block(nbytes: int, tail: bool = True) -> Optional[torch.Tensor]:  # -> [nbytes] uint8, zeros
     """nbytes of anonymous memory that asks for 2 MB pages, starting on a 2 MB boundary; the tensor keeps the
-    mapping alive (views of it too). None where Linux gives no huge pages or the mapping does not fit."""
+    mapping alive (views of it too). tail=False leaves the part past the last whole 2 MB page in 4 KB pages, so it
+    takes no more memory than it holds. None where Linux gives no huge pages or the mapping does not fit."""
     if not huge_pages():
         return None
     try:
+        # private anonymous memory reads as zeros (a shared mapping would be shmem, which THP leaves alone)
         block = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        block.madvise(mmap.MADV_HUGEPAGE)
+        memory = torch.frombuffer(block, dtype=torch.uint8)
+        start = -memory.data_ptr() % (2 << 20)
+        length = nbytes if tail else nbytes // (2 << 20) * (2 << 20)
+        if length:
+            block.madvise(mmap.MADV_HUGEPAGE, start, length)
     except OSError:  # a memory limit
         return None
-    memory = torch.frombuffer(block, dtype=torch.uint8)
-    start = -memory.data_ptr() % (2 << 20)
     return memory[start:start + nbytes]
+
+
+def cache_zeros(shape: tuple, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """The KV cache's allocator on the CPU (model.cache_zeros): a tensor of 2 MB or more lies in 2 MB pages where
+    Linux grants them. A decode step reads the whole cache, and in 4 KB pages it would miss the TLB every 4 KB
+    and stop the prefetchers (HOW_IT_WORKS.md, "A static KV cache")."""
+    n = math.prod(shape) * dtype.itemsize
+    block = huge_page_block(n, tail=False) if torch.device(device).type == "cpu" and n >= 2 << 20 else None
+    return torch.zeros(shape, dtype=dtype, device=device) if block is None else block.view(dtype).view(shape)
 
 
 def into_huge_pages(model: nn.Module):
     """Every CPU weight moved into one anonymous block that asks for 2 MB pages. Decoding reads all the weights
-    every step; in the memory-mapped file they sit in 4 KB pages of the page cache, a TLB miss every 4 KB. A 1.1B
-    decode step, compiled, alternating in one process (Zen 3, AVX2): int4 1.08-1.11x as fast, bf16 1.04-1.05x, int8
-    0.98-1.04x. Each original is dropped once copied, so memory holds one copy (a file's pages stay only as cache)."""
+    every step; in the memory-mapped file they sit in 4 KB pages of the page cache, a TLB miss every 4 KB
+    (HOW_IT_WORKS.md, "Loading"). Each original is dropped once copied, so memory holds one copy (a file's pages
+    stay only as cache)."""
     slots = [(m, kind, name) for m in model.modules() for kind in ("_parameters", "_buffers")
              for name, t in getattr(m, kind).items()
              if t is not None and t.device.type == "cpu" and t.is_contiguous() and t.nbytes]
@@ -411,8 +547,9 @@ def check_writable(out_dir: Path, force: bool, inputs=(), extra=()):
 
 def save(out_dir, args: ModelArgs, state: dict, tokenizer, metadata: Optional[dict] = None,
          extra: Optional[dict] = None, force: bool = False, inputs=()) -> Path:
-    """Write a checkpoint: state's tensors, args, the tokenizer and `extra` {name: text}. tokenizer is a file
-    (copied as tokenizer.model, or under its name if it is one of TOKENIZER_FILES) or {name: Path or text}.
+    """Write a checkpoint: state's tensors (a model's w13 as w1 and w3), args, the tokenizer and `extra`
+    {name: text}. tokenizer is a file (copied as tokenizer.model, or under its name if it is one of
+    TOKENIZER_FILES) or {name: Path or text}.
     check_writable decides whether out_dir may be written. The files go to a sibling directory that is then
     renamed into place, so an interrupted save leaves the earlier checkpoint or none, never a mix of the two."""
     out_dir = Path(out_dir)
@@ -429,7 +566,7 @@ def save(out_dir, args: ModelArgs, state: dict, tokenizer, metadata: Optional[di
                 (tmp / name).write_text(text, encoding="utf-8")
             else:
                 shutil.copyfile(text, tmp / name)
-        write_safetensors(tmp / "model.safetensors", state, metadata)
+        write_safetensors(tmp / "model.safetensors", split_gate_up(state), metadata)
         if full.is_dir() and any(full.iterdir()):  # an earlier checkpoint (check_writable said so)
             os.replace(full, old)
         os.replace(tmp, full)  # onto a missing or empty directory: one rename

@@ -1,24 +1,22 @@
 """Matrix-vector products for decoding on NVIDIA GPUs: y = x @ w.T for x [M, K] of a few rows, with w in bf16 or
 int8 (a scale per row, the layout quantize.py stores), as Triton kernels.
 
-Batch-1 decode is one pass over every weight, so a product is as fast as it reads its bytes. On an H200 (copy
-bandwidth 4150 GB/s), alone in a CUDA graph, weights not in L2, Llama-3-8B's layers: cuBLAS read bf16 at 61-87% of
-that, these kernels at 75-93%; inductor's reduction read an int8 weight at 32-68%, the int8 kernel here at 50-76%
-(the 4096 x 4096 product is the slowest: 8 us, of which launching and the last wave are a fair part).
+Batch-1 decode is one pass over every weight, so a product is as fast as it reads its bytes: these kernels read
+them nearer the copy bandwidth than cuBLAS (bf16) and inductor's reduction (int8) do (figures in HOW_IT_WORKS.md,
+"GPU decode kernels").
 
 The int8 kernel converts no weight: each byte b goes, with b ^ 0x80, under the exponent bits of 2^23 (0x4B000000),
-which makes the float 2^23 + b + 128, and one subtraction leaves b exactly. An H200 converts 16 integers a cycle per
-SM, about what 4 TB/s of int8 weights need; the bits cost two integer operations. The weights are loaded as 32-bit
-words, four bytes taken apart with shifts and masks.
+which makes the float 2^23 + b + 128, and one subtraction leaves b exactly: two integer operations, where the
+conversion instructions would not keep up with the memory. The weights are loaded as 32-bit words, four bytes taken
+apart with shifts and masks.
 
 A program computes BLOCK_N outputs of one row of x; the rows of x vary fastest over the grid, so the programs that
 share a weight tile run together and all but the first find it in L2 (speculative verification, small batches).
 Block sizes are tuned once per shape by triton.autotune, on the first call (outside any CUDA graph capture: the
 compiled step runs once eagerly before it is recorded). More than MAX_ROWS rows (prefill) go to cuBLAS.
 
-int4 layers stay on torch's kernel (`_weight_int4pack_mm`, 30-39% of the copy bandwidth on the 8B layers): a
-kernel of this design for the stored int4 layout, 8 nibbles a word, reached only 21-36% (not profiled further:
-each nibble costs a strided load of x and four instructions)."""
+int4 layers stay on torch's kernel (`_weight_int4pack_mm`): a kernel of this design for the stored int4 layout read
+it more slowly."""
 from typing import Optional
 
 import torch
@@ -26,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import FeedForward, GateUp
 
 try:
     import triton
@@ -155,17 +152,9 @@ def replacement(m: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def joined(a: nn.Module, b: nn.Module) -> Optional[nn.Module]:  # a's outputs, then b's; None if not of one kind
-    if type(a) is not type(b) or type(a) not in (GemvBf16, GemvInt8):
-        return None
-    if type(a) is GemvBf16:
-        return GemvBf16(torch.cat([a.weight, b.weight]))
-    return GemvInt8(torch.cat([a.weight, b.weight]), torch.cat([a.scales, b.scales]))
-
-
 def install(model: nn.Module) -> int:
-    """Replace the model's CUDA bf16 and int8 linear layers, in place, by ones on these kernels, and join each
-    feed-forward's gate and up layers. Returns how many layers were replaced; 0 without Triton."""
+    """Replace the model's CUDA bf16 and int8 linear layers, in place, by ones on these kernels. Returns how many
+    layers were replaced; 0 without Triton."""
     if triton is None:
         return 0
     count = 0
@@ -175,11 +164,6 @@ def install(model: nn.Module) -> int:
             if new is not None:
                 setattr(parent, name, new)
                 count += 1
-    for parent in list(model.modules()):
-        for name, ff in parent.named_children():
-            w13 = joined(ff.w1, ff.w3) if isinstance(ff, FeedForward) else None
-            if w13 is not None:
-                setattr(parent, name, GateUp(w13, ff.w2))
     return count
 
 

@@ -1,9 +1,6 @@
-"""A Llama-architecture decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU, and a
-static KV cache that is updated in place so torch.compile and CUDA graphs can replay every decode step.
-cpu_step.py repeats this forward for one token in C++ (batch-1 decoding on a CPU): a change to the arithmetic here
-needs the same change there, which tests/test_cpu_step.py checks by comparing the two."""
+"""A Llama-architecture decoder in one file that needs only torch: RMSNorm, RoPE, grouped-query attention, SwiGLU,
+and a static KV cache updated in place so that torch.compile and CUDA graphs can replay every decode step."""
 import math
-import mmap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,10 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-
-
-def find_multiple(n: int, k: int) -> int:
-    return n if n % k == 0 else n + k - n % k
 
 
 @dataclass
@@ -25,9 +18,9 @@ class ModelArgs:
     n_kv_head: int = -1  # -1: one KV head per query head (MHA); 1 is MQA, in between is GQA
     dim: int = 4096
     head_dim: int = -1  # -1: dim // n_head
-    intermediate_size: int = -1  # -1: Llama's rule, 2/3 of 4*dim rounded up to a multiple of 256
+    intermediate_size: int = -1  # -1: Llama's rule
     rope_base: float = 10000.0
-    rope_scaling: Optional[dict] = None  # Llama-3.1 style: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_scaling: Optional[dict] = None  # Llama-3.1: factor, low_/high_freq_factor, original_max_position_embeddings
     norm_eps: float = 1e-5
     block_size: int = 2048  # the longest context the model takes: the RoPE table and any cache stop here
     tie_embeddings: bool = False
@@ -35,18 +28,14 @@ class ModelArgs:
     sliding_window: int = 0  # 0: none; else token i attends to positions i - sliding_window < j <= i (Mistral)
 
     def __post_init__(self):
-        if self.n_kv_head == -1:
-            self.n_kv_head = self.n_head
-        if self.head_dim == -1:
-            self.head_dim = self.dim // self.n_head
-        if self.intermediate_size == -1:
-            self.intermediate_size = find_multiple(int(2 * 4 * self.dim / 3), 256)
+        self.n_kv_head = self.n_head if self.n_kv_head == -1 else self.n_kv_head
+        self.head_dim = self.dim // self.n_head if self.head_dim == -1 else self.head_dim
+        if self.intermediate_size == -1:  # Llama's rule: 2/3 of 4 * dim, rounded up to a multiple of 256
+            self.intermediate_size = 256 * math.ceil(8 * self.dim // 3 / 256)
         sizes = (self.vocab_size, self.n_layer, self.n_head, self.n_kv_head, self.dim, self.head_dim,
                  self.intermediate_size, self.block_size)
-        if min(sizes) < 1:
-            raise ValueError(f"model sizes must be positive: {self}")
-        if self.sliding_window < 0:
-            raise ValueError(f"sliding_window {self.sliding_window} must be 0 (none) or positive")
+        if min(sizes) < 1 or self.sliding_window < 0:
+            raise ValueError(f"model sizes must be positive, and sliding_window 0 (none) or positive: {self}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.n_kv_head}")
         if self.head_dim % 2:
@@ -60,58 +49,12 @@ class ModelArgs:
             raise ValueError(f"unknown model {name!r}; known: {', '.join(transformer_configs)}")
         return cls(**transformer_configs[max(hits, key=len)])
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Any Hugging Face config.json (transformers 4 or 5 layout) of the Llama layout, whatever its model_type:
-        SiLU, RMSNorm, RoPE, and at most one sliding window shared by every layer (Mistral). qkv_bias (Qwen2) is not
-        a config field there: the converter reads it from the weights."""
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only SiLU, as in Llama)")
-        if cfg.get("attention_bias"):  # every transformers model with this flag puts a bias on o_proj too
-            raise ValueError("attention_bias: o_proj biases are not supported (q/k/v biases, as in Qwen2, are)")
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias: MLP biases are not supported")
-        # fields that rescale what the same tensors compute (Granite's multipliers, Gemma-2's soft caps, SmolLM3's
-        # layers without RoPE): the weights would load and the model would silently compute something else
-        odd = [k for k, v in cfg.items() if v is not None and (k.startswith("no_rope") or k.endswith(
-               ("_multiplier", "_softcapping", "logits_scaling")))]
-        if odd:
-            raise ValueError(f"config field {odd[0]} changes what the weights compute; not part of the Llama layout")
-        missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
-                   if k not in cfg]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}")
-        rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
-        scaling = cfg.get("rope_scaling") or rope
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope scaling {rope_type!r} is not supported (only Llama-3.1 'llama3')")
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        n_head, n_layer = cfg["num_attention_heads"], cfg["num_hidden_layers"]
-        types = cfg.get("layer_types")
-        if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:  # Qwen2's older layout
-            types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n_layer)]
-        kinds = set(types or ())
-        if len(kinds) > 1:
-            raise ValueError(f"layers mix {' and '.join(sorted(kinds))}; only one attention kind for every layer "
-                             f"is supported")
-        if kinds - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"layer_types {kinds.pop()!r} is not supported (full_attention or sliding_attention)")
-        # Qwen2 sets sliding_window but slides only with use_sliding_window; layer_types, where given, decides
-        slides = cfg.get("use_sliding_window") is not False and kinds != {"full_attention"}
-        window = cfg.get("sliding_window") if slides else 0
-        return cls(
-            vocab_size=cfg["vocab_size"], n_layer=n_layer, n_head=n_head,
-            n_kv_head=cfg.get("num_key_value_heads") or n_head, dim=cfg["hidden_size"],
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, intermediate_size=cfg["intermediate_size"],
-            rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling={k: scaling[k] for k in keys} if rope_type == "llama3" else None,
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), block_size=cfg.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window or 0)  # null: none
 
-
-_llama31_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-_llama32_scaling = dict(_llama31_scaling, factor=32.0)
+_llama3 = dict(n_kv_head=8, vocab_size=128256, rope_base=500000.0, block_size=8192)
+_llama31 = dict(_llama3, block_size=131072, rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                               original_max_position_embeddings=8192))
+_llama32 = dict(_llama31, rope_scaling=dict(_llama31["rope_scaling"], factor=32.0), intermediate_size=8192,
+                tie_embeddings=True)
 transformer_configs = {
     "Llama-2-7b": dict(n_layer=32, n_head=32, dim=4096, block_size=4096),
     "Llama-2-13b": dict(n_layer=40, n_head=40, dim=5120, block_size=4096),
@@ -120,22 +63,13 @@ transformer_configs = {
     "CodeLlama-34b": dict(n_layer=48, n_head=64, n_kv_head=8, dim=8192, intermediate_size=22016, rope_base=1e6,
                           block_size=16384),
     "Mistral-7B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, block_size=4096),
-    "Llama-3-8B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, vocab_size=128256,
-                       rope_base=500000.0, block_size=8192),
-    "Llama-3-70B": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, vocab_size=128256,
-                        rope_base=500000.0, block_size=8192),
-    "Llama-3.1-8B": dict(n_layer=32, n_head=32, n_kv_head=8, dim=4096, intermediate_size=14336, vocab_size=128256,
-                         rope_base=500000.0, block_size=131072, rope_scaling=_llama31_scaling),
-    "Llama-3.1-70B": dict(n_layer=80, n_head=64, n_kv_head=8, dim=8192, intermediate_size=28672, vocab_size=128256,
-                          rope_base=500000.0, block_size=131072, rope_scaling=_llama31_scaling),
-    "Llama-3.1-405B": dict(n_layer=126, n_head=128, n_kv_head=8, dim=16384, intermediate_size=53248, vocab_size=128256,
-                           rope_base=500000.0, block_size=131072, rope_scaling=_llama31_scaling),
-    "Llama-3.2-1B": dict(n_layer=16, n_head=32, n_kv_head=8, dim=2048, head_dim=64, intermediate_size=8192,
-                         vocab_size=128256, rope_base=500000.0, block_size=131072, rope_scaling=_llama32_scaling,
-                         tie_embeddings=True),
-    "Llama-3.2-3B": dict(n_layer=28, n_head=24, n_kv_head=8, dim=3072, head_dim=128, intermediate_size=8192,
-                         vocab_size=128256, rope_base=500000.0, block_size=131072, rope_scaling=_llama32_scaling,
-                         tie_embeddings=True),
+    "Llama-3-8B": dict(_llama3, n_layer=32, n_head=32, dim=4096, intermediate_size=14336),
+    "Llama-3-70B": dict(_llama3, n_layer=80, n_head=64, dim=8192, intermediate_size=28672),
+    "Llama-3.1-8B": dict(_llama31, n_layer=32, n_head=32, dim=4096, intermediate_size=14336),
+    "Llama-3.1-70B": dict(_llama31, n_layer=80, n_head=64, dim=8192, intermediate_size=28672),
+    "Llama-3.1-405B": dict(_llama31, n_layer=126, n_head=128, dim=16384, intermediate_size=53248),
+    "Llama-3.2-1B": dict(_llama32, n_layer=16, n_head=32, dim=2048, head_dim=64),
+    "Llama-3.2-3B": dict(_llama32, n_layer=28, n_head=24, dim=3072, head_dim=128),
     "TinyLlama-1.1B": dict(n_layer=22, n_head=32, n_kv_head=4, dim=2048, intermediate_size=5632),
 }
 
@@ -182,41 +116,21 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype) -> Tensor:  # int8 [..., D]
     return (q.float().unflatten(-1, (scale.size(-1), -1)) * scale[..., None]).flatten(-2).to(dtype)
 
 
-def cache_zeros(shape: tuple, dtype: torch.dtype, device) -> Tensor:
-    """Zeros for the KV cache. On CPU, a cache tensor of 2 MB or more lies in 2 MB pages where Linux grants them
-    (transparent huge pages, asked for with madvise): a decode step reads the whole cache, and in 4 KB pages every
-    4 KB of it misses the TLB and stops the prefetchers (attention over 4096 positions x 22 layers from memory on a
-    Zen 4: 0.88-0.96x the time). Only whole 2 MB pages are asked for, so the tail takes no more memory than it holds."""
-    n = math.prod(shape) * dtype.itemsize
-    if torch.device(device).type != "cpu" or n < 2 << 20 or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    # private anonymous memory reads as zeros (a shared mapping would be shmem, which THP leaves alone); the tensor
-    # keeps the mapping alive
-    buf = mmap.mmap(-1, n + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(buf, dtype=torch.uint8)
-    start = -t.data_ptr() % (2 << 20)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE, start, n // (2 << 20) * (2 << 20))
-    except OSError:  # a kernel without transparent huge pages: 4 KB pages, as torch.zeros would give
-        pass
-    return t[start:start + n].view(dtype).view(shape)
-
-
 class KVCache(nn.Module):
-    def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device):
+    def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device,
+                 zeros=torch.zeros):
         """dtype torch.int8: each position's key per head rounded to int8 with one float32 scale, its value with
-        one per 32 dimensions (values have a few large dimensions), about half the bytes of bf16 to store and read."""
+        one per 32 dimensions (values have a few large dimensions), about half the bytes of bf16 to store and read.
+        zeros(shape, dtype=, device=) allocates the two large buffers."""
         super().__init__()
         # one spare slot, never read: attention reads a slice of the cache, and were a slice ever the whole buffer
         # it would be contiguous where the others are not, and torch.compile would compile that case again
         shape = (max_batch_size, n_kv_head, max_seq_length + 1, head_dim)
-        self.register_buffer("k_cache", cache_zeros(shape, dtype, device), persistent=False)
-        self.register_buffer("v_cache", cache_zeros(shape, dtype, device), persistent=False)
-        int8 = dtype == torch.int8
-        self.register_buffer("k_scale", torch.zeros(*shape[:-1], 1, device=device) if int8 else None, persistent=False)
-        blocks = head_dim // 32 if head_dim % 32 == 0 else 1
-        self.register_buffer("v_scale", torch.zeros(*shape[:-1], blocks, device=device) if int8 else None,
-                             persistent=False)
+        self.register_buffer("k_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", zeros(shape, dtype=dtype, device=device), persistent=False)
+        scales = lambda n: torch.zeros(*shape[:-1], n, device=device) if dtype == torch.int8 else None  # noqa: E731
+        self.register_buffer("k_scale", scales(1), persistent=False)
+        self.register_buffer("v_scale", scales(head_dim // 32 if head_dim % 32 == 0 else 1), persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:  # input_pos [S], k/v [B, H_kv, S, D]
         """-> k, v [B, H_kv, max_seq_length + 1, D]; int8: k, k_scale [..., 1], v, v_scale [..., D / 32 (or 1)]"""
@@ -234,8 +148,7 @@ class KVCache(nn.Module):
 
 def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
               enable_gqa: bool) -> Tensor:  # q [B, H, S, D]; k, v [B, H_kv, L, D] int8, scales [B, H_kv, L, n]
-    """Attention over an int8 cache: dequantized to q's dtype, then SDPA (a kernel may take its place, see
-    cpu_gemv.py)."""
+    """Attention over an int8 cache: dequantized to q's dtype, then SDPA."""
     k, v = dequantize_rows(k, k_scale, q.dtype), dequantize_rows(v, v_scale, q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
@@ -247,12 +160,11 @@ class Attention(nn.Module):
         # one fused matmul for q, k and v: a single pass over the input instead of three
         qkv_rows = (args.n_head + 2 * args.n_kv_head) * args.head_dim
         self.wqkv = nn.Linear(args.dim, qkv_rows, bias=False)
-        # the bias (Qwen2) is a parameter of its own, rows in wqkv's order, not the Linear's: the quantized and
-        # kernel layers that replace nn.Linear then need no bias support, and it stays float
+        # Qwen2's bias, in wqkv's row order, apart from the Linear: layers replacing it need no bias; it stays float
         self.register_parameter("bqkv", nn.Parameter(torch.zeros(qkv_rows)) if args.qkv_bias else None)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
-        self.sdpa = F.scaled_dot_product_attention  # a kernel for decoding may take its place (see cpu_gemv.py)
+        self.sdpa = F.scaled_dot_product_attention  # a decoding kernel may take the place of either
         self.sdpa_int8 = sdpa_int8
 
     def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
@@ -267,8 +179,7 @@ class Attention(nn.Module):
         if input_pos is None:
             y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         else:
-            # read only the first L slots, those the mask covers: a short context in a long cache costs what it
-            # would in a short cache, instead of streaming every allocated slot each step
+            # only the first L slots, those the mask covers: a short context costs no more in a long cache
             cache = [t[:, :, : mask.size(-1)] for t in self.kv_cache.update(input_pos, k, v)]
             y = self.sdpa(q, *cache, attn_mask=mask, enable_gqa=gqa) if len(cache) == 2 else \
                 self.sdpa_int8(q, *cache, attn_mask=mask, enable_gqa=gqa)
@@ -278,20 +189,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        # the gate's rows, then the up projection's, in one matmul as in wqkv (files keep w1 and w3; loading joins)
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class GateUp(nn.Module):
-    """FeedForward with the gate and up layers joined into one, w13 (the gate's outputs, then the up's): one product
-    and one pass over both weights where there were two. The kernel files (cpu_gemv.py, cuda_gemv.py) put it in."""
-    def __init__(self, w13: nn.Module, w2: nn.Module):
-        super().__init__()
-        self.w13, self.w2 = w13, w2
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -324,6 +224,7 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_cis", None, persistent=False)
         self.max_batch_size = self.max_seq_length = 0
         self.kv_dtype: Optional[torch.dtype] = None  # the cache's dtype; None: the model's
+        self.cache_zeros = torch.zeros  # the KV cache's allocator; a loader may give one of its own
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None):
         """Preallocate the KV cache and the RoPE table once; calling again with new sizes replaces both.
@@ -337,27 +238,26 @@ class Transformer(nn.Module):
         # plain tensors even when called under inference_mode (as generate() does): the cache outlives the call,
         # and an inference tensor could not be written outside one
         with torch.inference_mode(False):
+            a = self.args
             for layer in self.layers:
-                layer.attention.kv_cache = KVCache(max_batch_size, self.args.n_kv_head, max_seq_length,
-                                                   self.args.head_dim, self.kv_dtype or dtype, device)
-            self.freqs_cis = precompute_freqs_cis(max_seq_length, self.args.head_dim, self.args.rope_base,
-                                                  self.args.rope_scaling, device)
+                layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_head, max_seq_length, a.head_dim,
+                                                   self.kv_dtype or dtype, device, self.cache_zeros)
+            self.freqs_cis = precompute_freqs_cis(max_seq_length, a.head_dim, a.rope_base, a.rope_scaling, device)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
     def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None,
-                kv_len: Optional[int] = None, last: bool = False, tree_mask: Optional[Tensor] = None,
-                tree_pos: Optional[Tensor] = None) -> Tensor:
+                kv_len: Optional[int] = None, last: bool = False, mask: Optional[Tensor] = None,
+                pos: Optional[Tensor] = None) -> Tensor:
         """idx [B, S] token ids -> logits [B, S, vocab].
 
         With input_pos [S] (cache slots), attend through the KV cache; left_pad [B] counts each row's leading pad
         tokens, which are masked out and shift that row's RoPE positions so it sees exactly what it would alone.
         kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
-        cache slots (see kv_bucket). The default is the whole cache.
+        cache slots (see kv_bucket). The default is the whole cache. For tokens that are not one sequence (the
+        branches of a tree): mask [S, kv_len] or [B, S, kv_len] bool, the cache slots each token sees, replaces
+        the causal mask, and pos [S] the RoPE positions (the tokens are still written at input_pos).
         Without input_pos, run causal (and sliding-window) attention over idx and touch no cache (training,
-        perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others).
-        tree_mask [S, kv_len] bool and tree_pos [S] (a token tree, batch 1; see trees.py): the cache slots each token
-        sees and its RoPE position, in place of the causal mask and input_pos; the tokens are still written at
-        input_pos."""
+        perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others)."""
         if input_pos is None:
             S = idx.size(1)
             freqs_cis = precompute_freqs_cis(S, self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
@@ -368,11 +268,11 @@ class Transformer(nn.Module):
         else:
             if self.freqs_cis is None:
                 raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
-            pos = input_pos if tree_pos is None else tree_pos
-            pos = pos[None] if left_pad is None else (pos[None] - left_pad[:, None]).clamp(min=0)
+            pos = (input_pos if pos is None else pos)[None]
+            pos = pos if left_pad is None else (pos - left_pad[:, None]).clamp(min=0)
             freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
-            mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length) if tree_mask is None \
-                else tree_mask[None, None]
+            mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length) if mask is None \
+                else mask.view(-1, 1, *mask.shape[-2:])  # [B|1, 1, S, kv_len]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, freqs_cis, mask, input_pos)
@@ -392,6 +292,6 @@ class Transformer(nn.Module):
 
 def kv_bucket(n: int, max_seq_length: int) -> int:
     """The kv_len for a step whose positions are all below n: the next power of two (at least 256), capped at the
-    cache. A 100-token context in a 32k cache then reads 256 slots per step, and a compiled step sees only
-    log2(max_seq_length / 256) lengths, so CUDA graphs are recorded a few times, not once per token."""
+    cache. A short context reads few slots of a long cache, and a compiled step sees only log2(max_seq_length / 256)
+    lengths, so CUDA graphs are recorded a few times, not once per token."""
     return min(max_seq_length, max(256, 1 << (n - 1).bit_length()))

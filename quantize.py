@@ -18,10 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Transformer, find_multiple, precompute_freqs_cis
+from model import Transformer, precompute_freqs_cis
 
 MODES = ("int8", "int4", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - n % k
 
 
 # ---- quantize and dequantize one weight --------------------------------------------------------------------------

@@ -181,6 +181,8 @@ def _read_json(path: Path) -> dict:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {str(e).splitlines()[0]}") from None
+    except RecursionError:  # Python's parser recurses once per level
+        raise ValueError(f"{path} is not valid JSON: it is nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return value

@@ -72,7 +72,7 @@ def kernel_table(shape: str):
     the layer stores; and a plain read of a 1 GB tensor, the machine's practical bandwidth."""
     from quantize import Int4Linear, Int8Linear, pack_nibbles, quantize_int4, quantize_int8
     a = ModelArgs.from_name(shape)
-    layers = {"wqkv": ((a.n_head + 2 * a.n_kv_head) * a.head_dim, a.dim), "w1/w3": (a.intermediate_size, a.dim),
+    layers = {"wqkv": ((a.n_head + 2 * a.n_kv_head) * a.head_dim, a.dim), "w13": (2 * a.intermediate_size, a.dim),
               "w2": (a.dim, a.intermediate_size), "output": (a.vocab_size, a.dim)}
 
     def seconds(f, n=50):

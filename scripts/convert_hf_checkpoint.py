@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Convert a Hugging Face checkpoint of the Llama layout (Llama 2/3, Mistral, Qwen2) into this repo's native
-checkpoint directory. The architecture is read from config.json's fields and the tensors present, not its name.
+"""Convert a Hugging Face checkpoint of the Llama layout (model_type llama, mistral or qwen2) into this repo's native
+checkpoint directory. The details (heads, window, biases) are read from config.json's fields and the tensors present.
 
 The native directory holds:
   model.safetensors  native tensor names; q/k/v fused into one wqkv with RoPE pairs interleaved
@@ -18,7 +18,6 @@ Example:
 """
 import argparse
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -31,7 +30,6 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
-from model import ModelArgs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_CANDIDATES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
@@ -50,24 +48,17 @@ HF_FIELDS = {  # the config fields read, and what each must be
 QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")  # Qwen2's, the only ones
 
 
-def read_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-
-
 def read_model_args(checkpoint_dir, names=()):
     """ModelArgs from config.json, and from the tensor names: q/k/v biases are in no config field (Qwen2)."""
     path = checkpoint_dir / "config.json"
     if not path.is_file():
         raise ValueError(f"config.json not found in {checkpoint_dir}")
-    config = read_json(path)
+    config = checkpoint.read_json(path)
     if not isinstance(config, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     check_hf_fields({**config, **(config.get("rope_parameters") or {})}, path)
     try:
-        args = ModelArgs.from_hf_config(config)
+        args = checkpoint.args_from_hf_config(config)
     except (KeyError, TypeError, AttributeError) as e:  # a field missing or of the wrong type
         raise ValueError(f"{path}: missing or malformed field {e}") from None
     other_bias = next((k for k in names if k.endswith(".bias") and not k.endswith(QKV_BIASES)), None)
@@ -112,7 +103,8 @@ def open_weights(checkpoint_dir):
     it is converted, so memory holds the output plus one tensor, never a second copy of the source."""
     for single, index in WEIGHT_LAYOUTS:
         if (checkpoint_dir / index).is_file():
-            weight_map = read_json(checkpoint_dir / index).get("weight_map")
+            weight_map = checkpoint.read_json(checkpoint_dir / index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{checkpoint_dir / index} has no weight_map")
             files = sorted(set(weight_map.values()))

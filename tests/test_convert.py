@@ -17,7 +17,7 @@ SCRIPT = REPO / "scripts" / "convert_hf_checkpoint.py"
 sys.path.insert(0, str(REPO / "scripts"))
 from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
 
-from model import ModelArgs  # noqa: E402
+from checkpoint import args_from_hf_config  # noqa: E402
 from conftest import errors_of
 
 N_HEAD, N_KV_HEAD, HEAD_DIM, DIM, N_LAYER = 4, 2, 8, 32, 2
@@ -136,7 +136,7 @@ def test_other_weights_are_copied_unchanged(native, model):
 
 def test_config_json_holds_model_args_and_tokenizer_is_copied(hf_dir, tmp_path):
     out = convert_hf_checkpoint(hf_dir, tmp_path / "native")
-    expected = ModelArgs.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    expected = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     assert json.loads((out / "config.json").read_text()) == dataclasses.asdict(expected)
     assert (out / "tokenizer.model").read_bytes() == TOKENIZER_BYTES
 
@@ -250,3 +250,18 @@ def test_cli_reports_missing_input_in_one_error_line(hf_dir, tmp_path, remove):
     assert result.stderr.startswith("error:") and len(errors_of(result.stderr)) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "native").exists()
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gpt2"])
+def test_a_config_naming_another_architecture_is_refused_though_its_tensors_are_llamas(hf_dir, tmp_path, model_type):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
+    with pytest.raises(ValueError, match=f"model_type '{model_type}' is not supported"):
+        convert_hf_checkpoint(hf_dir, tmp_path / "native")
+    assert not (tmp_path / "native").exists()
+
+
+def test_a_config_nested_too_deeply_is_refused_not_a_recursion_error(hf_dir, tmp_path):
+    (hf_dir / "config.json").write_text("[" * 100000)
+    with pytest.raises(ValueError, match="config.json is not valid JSON: it is nested too deeply"):
+        convert_hf_checkpoint(hf_dir, tmp_path / "native")

@@ -99,7 +99,7 @@ def test_model_on_cuda_runs_the_kernels_bf16_and_int8_but_int4_on_torchs(tmp_pat
     from quantize_checkpoint import quantize_checkpoint
     model = load_model(DEFAULT_CHECKPOINT, "cuda", torch.bfloat16)
     assert isinstance(model.layers[0].attention.wqkv, cuda_gemv.GemvBf16)
-    assert isinstance(model.layers[0].feed_forward, cuda_gemv.GateUp)
+    assert isinstance(model.layers[0].feed_forward.w13, cuda_gemv.GemvBf16)
     assert cuda_gemv.describe(model) == "CUDA kernels: Triton for bf16"
     model = load_model(quantize_checkpoint(DEFAULT_CHECKPOINT, "int8", out_dir=tmp_path / "int8"), "cuda")
     assert isinstance(model.output, cuda_gemv.GemvInt8) and isinstance(model.layers[0].feed_forward.w13,

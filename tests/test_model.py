@@ -1,8 +1,6 @@
 """model.py against the reference implementation, Hugging Face transformers' LlamaForCausalLM."""
 import dataclasses
 import mmap
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +8,7 @@ import torch
 from conftest import convert, save_hf_llama
 from checkpoint import load_model
 from generate import generate
-from model import ModelArgs, Transformer, cache_zeros, kv_bucket, transformer_configs
+from model import ModelArgs, Transformer, kv_bucket, transformer_configs
 
 LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=32)
@@ -91,7 +89,7 @@ def test_setup_caches_again_with_new_sizes_reallocates(pair, tokens):
 
 @torch.no_grad()
 def test_decoding_through_a_cache_of_2_mb_or_more_matches_the_full_forward(pair, tokens):
-    # from 2 MB a CPU cache tensor is an anonymous mapping asked for 2 MB pages (cache_zeros), not torch's memory
+    # from 2 MB a CPU cache tensor is an anonymous mapping asked for 2 MB pages (checkpoint.cache_zeros)
     _, ours = pair
     B = -(-(2 << 20) // (ours.args.n_kv_head * (SEQ + 1) * ours.args.head_dim * 4))  # float32 rows that make 2 MB
     ours.setup_caches(B, SEQ)
@@ -101,24 +99,6 @@ def test_decoding_through_a_cache_of_2_mb_or_more_matches_the_full_forward(pair,
     steps = [ours(x[:, :half], torch.arange(half))]
     steps += [ours(x[:, i : i + 1], torch.tensor([i])) for i in range(half, SEQ)]
     assert rel_err(torch.cat(steps, dim=1), ours(x)) < 1e-5
-
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
-def test_a_cpu_cache_tensor_of_2_mb_or_more_gets_2_mb_pages():
-    t = cache_zeros((1, 4, 4097, 64), torch.bfloat16, "cpu")  # 2.0 MB and a tail
-    assert t.is_contiguous() and not t.any()
-    t.fill_(1)  # the first writes fault the pages in
-    start = t.data_ptr()
-    for mapping in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
-        lo, hi = (int(x, 16) for x in mapping.split()[0].split("-"))
-        if lo <= start < hi:
-            huge_kb = int(re.search(r"AnonHugePages:\s+(\d+) kB", mapping).group(1))
-            assert huge_kb == 2048  # the whole 2 MB page; the tail stays in 4 KB pages
-            return
-    raise AssertionError("no mapping holds the cache")
 
 
 @torch.no_grad()
@@ -144,37 +124,6 @@ def test_setup_caches_beyond_the_model_maximum_is_refused(pair):
     _, ours = pair
     with pytest.raises(ValueError, match="max_seq_length"):
         ours.setup_caches(1, ours.args.block_size + 1)
-
-
-def test_from_hf_config_reads_transformers4_and_5_layouts_alike():
-    v4 = dict(model_type="llama", vocab_size=128256, num_hidden_layers=32, num_attention_heads=32,
-              num_key_value_heads=8, hidden_size=4096, intermediate_size=14336, max_position_embeddings=131072,
-              rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=dict(LLAMA31_SCALING, factor=8.0,
-                                                                        original_max_position_embeddings=8192))
-    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
-    v5["rope_parameters"] = dict(v4["rope_scaling"], rope_theta=500000.0)
-    assert ModelArgs.from_hf_config(v4) == ModelArgs.from_hf_config(v5) == ModelArgs.from_name("Llama-3.1-8B")
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act"),
-    (dict(attention_bias=True), "o_proj"),
-    (dict(embedding_multiplier=12.0), "embedding_multiplier"),  # Granite: Llama's tensors, other arithmetic
-    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "yarn"),
-])
-def test_from_hf_config_rejects_other_architectures(change, message):
-    cfg = dict(model_type="llama", vocab_size=100, num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
-               intermediate_size=64)
-    with pytest.raises(ValueError, match=message):
-        ModelArgs.from_hf_config({**cfg, **change})
-
-
-def test_mistral_sliding_window_is_kept_and_does_not_cap_the_sequence_length():
-    cfg = dict(model_type="mistral", vocab_size=32000, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
-               rms_norm_eps=1e-5, sliding_window=4096)
-    expected = dataclasses.replace(ModelArgs.from_name("Mistral-7B"), block_size=32768, sliding_window=4096)
-    assert ModelArgs.from_hf_config(cfg) == expected
 
 
 # Published parameter counts (billions) of the checkpoints the named configs describe.

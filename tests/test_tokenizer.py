@@ -205,3 +205,10 @@ def test_a_tokenizer_json_that_adds_bos_matches_transformers(hf_tokenizer_dir, t
     text = MIXED.replace("<|im_end|>", "")
     assert ours.encode(text) == ref(text)["input_ids"] and ours.encode(text)[0] == ours.bos_id == 0
     assert ours.encode(text, bos=False) == ref(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_tokenizer_config_nested_too_deeply_is_refused_not_a_recursion_error(hf_tokenizer_dir, tmp_path):
+    shutil.copy(hf_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[" * 100000)
+    with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON: it is nested too deeply"):
+        Tokenizer(tmp_path / "tokenizer.json")
