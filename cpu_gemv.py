@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import FeedForward, GateUp, dequantize_rows
+from model import dequantize_rows
 
 MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
 PROBE_ROWS = 256  # the rows of the product that decides the prefill dtype
@@ -441,22 +441,6 @@ def replacement(m: nn.Module, dtype: torch.dtype) -> Optional[nn.Module]:
     return None
 
 
-def joined(a: nn.Module, b: nn.Module) -> Optional[nn.Module]:
-    """One layer of a's kind whose outputs are a's, then b's (two layers over the same input), or None where the
-    two are not of one kind."""
-    cat = lambda t: torch.cat([getattr(a, t), getattr(b, t)])  # noqa: E731
-    if type(a) is not type(b) or type(a) not in (GemvBf16, GemvInt8, GemvInt4) or a.dtype != b.dtype:
-        return None
-    if type(a) is GemvBf16 and a.gemv == b.gemv:
-        return GemvBf16(nn.Parameter(cat("weight"), requires_grad=a.weight.requires_grad), a.dtype, a.gemv)
-    if type(a) is GemvInt8:
-        return GemvInt8(cat("weight"), cat("scales"), a.dtype)
-    if type(a) is GemvInt4 and a.in_features == b.in_features and a.scales.size(1) == b.scales.size(1):
-        return GemvInt4(SimpleNamespace(in_features=a.in_features, out_features=a.out_features + b.out_features,
-                                        weight=cat("weight"), scales=cat("scales"), zeros=cat("zeros")), a.dtype)
-    return None
-
-
 def install(model: nn.Module, name: Optional[str] = None) -> str:
     """Replace the model's CPU linear layers, in place, by ones that run few-row products on this CPU's kernels
     (or the named set) and prefill in the dtype measured faster here. Returns what was chosen, in words."""
@@ -474,11 +458,6 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
                 # the output head writes float32 logits: a small model's top two can be closer than a bf16 step
                 new.f32 = parent is model and child_name == "output"
                 setattr(parent, child_name, new)
-    for parent in list(model.modules()):
-        for child_name, ff in parent.named_children():
-            w13 = joined(ff.w1, ff.w3) if isinstance(ff, FeedForward) else None
-            if w13 is not None:
-                setattr(parent, child_name, GateUp(w13, ff.w2))
     for kind in (GemvInt8, GemvInt4):  # measured on the largest layer of each kind
         layers = [m for m in model.modules() if isinstance(m, kind)]
         faster = bool(layers) and prefill_in_kernel(max(layers, key=lambda m: m.weight.numel()), dtype)

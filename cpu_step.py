@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 import cpu_gemv
-from model import Attention, GateUp, RMSNorm, Transformer, TransformerBlock
+from model import Attention, FeedForward, RMSNorm, Transformer, TransformerBlock
 
 
 def linear(m, n: int, k: int) -> Optional[list[Tensor]]:
@@ -88,7 +88,7 @@ def step_for(model: Transformer) -> Optional[Step]:
     for b in model.layers:
         att, ff = b.attention, b.feed_forward
         norms = (b.attention_norm, b.ffn_norm)
-        if type(b) is not TransformerBlock or type(att) is not Attention or type(ff) is not GateUp or \
+        if type(b) is not TransformerBlock or type(att) is not Attention or type(ff) is not FeedForward or \
                 att.sdpa is not cpu_gemv.sdpa or \
                 any(type(n) is not RMSNorm or n.eps != a.norm_eps or not bf16(n.weight, a.dim) for n in norms):
             return None

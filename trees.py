@@ -102,7 +102,7 @@ def tree_inputs(tree: Tree, base: int, rows: range, kv_len: int, window: int, de
 
 def tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # tokens [1, S] -> probs [S, V]
     """The distributions after each node; a row whose logits are not finite (a damaged model) comes out NaN."""
-    logits = model(tokens, input_pos, None, kv_len, tree_mask=tree_mask, tree_pos=tree_pos)[0]
+    logits = model(tokens, input_pos, None, kv_len, mask=tree_mask, pos=tree_pos)[0]
     return torch.where(torch.isfinite(logits.sum(-1, keepdim=True)), probs_of(logits, **sampling), float("nan"))
 
 

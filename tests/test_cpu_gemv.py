@@ -201,22 +201,28 @@ def test_a_bf16_prefill_in_fp32_tiles_gives_the_whole_matrix_product(monkeypatch
 
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
-def test_gate_and_up_become_one_product_with_the_same_outputs(mode):
+def test_the_gate_and_up_joined_at_load_give_the_outputs_of_the_two_apart(mode):
+    from checkpoint import join_gate_up
     from model import FeedForward, ModelArgs
     torch.manual_seed(0)
+    linear = lambda k, n: nn.Linear(k, n, bias=False)  # noqa: E731
+    apart = nn.ModuleDict({"w1": linear(128, 192), "w3": linear(128, 192), "w2": linear(192, 128)}).bfloat16()
     ff = FeedForward(ModelArgs(dim=128, intermediate_size=192, n_head=2)).bfloat16()
     if mode != "bf16":
+        quantize.install(apart, mode, 64)
         quantize.install(ff, mode, 64)
-        for name in ("w1", "w3", "w2"):
-            w = torch.randn(getattr(ff, name).out_features, getattr(ff, name).in_features)
+        for m in apart.values():
+            w = torch.randn(m.out_features, m.in_features)
             if mode == "int8":
-                getattr(ff, name).weight, getattr(ff, name).scales = quantize.quantize_int8(w)
+                m.weight, m.scales = quantize.quantize_int8(w)
             else:
-                q, getattr(ff, name).scales, getattr(ff, name).zeros = quantize.quantize_int4(w, 64)
-                getattr(ff, name).weight = quantize.pack_nibbles(q)
-    w1, w3, w2 = (installed(getattr(ff, name)) for name in ("w1", "w3", "w2"))
+                q, m.scales, m.zeros = quantize.quantize_int4(w, 64)
+                m.weight = quantize.pack_nibbles(q)
+    block = lambda m: nn.ModuleList([nn.ModuleDict({"feed_forward": m})])  # noqa: E731 (names as in a model)
+    block(ff).load_state_dict(join_gate_up(block(apart).state_dict(), 128, torch.bfloat16), assign=True)
+    w1, w3, w2 = (installed(apart[name]) for name in ("w1", "w3", "w2"))
     joined = installed(ff)
-    assert isinstance(joined, cpu_gemv.GateUp) and joined.w13.weight.size(0) == 2 * w1.weight.size(0)
+    assert type(joined.w13) is type(w1) and joined.w13.weight.size(0) == 2 * w1.weight.size(0)
     for rows in (1, 3):  # decode and verification: through the kernel, bit for bit
         x = torch.randn(rows, 128).bfloat16()
         assert torch.equal(joined(x), w2(F.silu(w1(x)) * w3(x)))
@@ -226,8 +232,8 @@ def test_gate_and_up_become_one_product_with_the_same_outputs(mode):
     for kernel_prefill in ((False, True) if mode != "bf16" else (False,)):
         for layer in (w1, w3, w2, joined.w13, joined.w2):
             layer.kernel_prefill = kernel_prefill
-        apart = w2(F.silu(w1(x)) * w3(x))
-        assert ((joined(x) - apart).float().norm() / apart.float().norm()).item() < 1e-2
+        apart_out = w2(F.silu(w1(x)) * w3(x))
+        assert ((joined(x) - apart_out).float().norm() / apart_out.float().norm()).item() < 1e-2
 
 
 def test_quantized_prefill_takes_the_path_measured_faster_here(monkeypatch):
