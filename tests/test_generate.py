@@ -189,7 +189,7 @@ def test_sampling_inside_the_cuda_graph_follows_the_seed(checkpoint):
 
 
 def test_streamed_text_equals_the_final_text_even_for_multibyte_characters(sp_model_path, capsys):
-    from generate import make_streamer
+    from cli import make_streamer
     from tokenizer import Tokenizer
     tok = Tokenizer(sp_model_path)
     prompt, continuation = tok.encode("the fox"), tok.encode(" jumps → 世界 over", bos=False)
