@@ -387,6 +387,15 @@ def parse_generate_args(argv, p: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def run_options(args: argparse.Namespace) -> dict:
+    """generate.run's keywords from generate.py's parsed options."""
+    keep = ("checkpoint_path", "max_new_tokens", "num_samples", "batch_size", "temperature", "top_k", "top_p", "seed",
+            "device", "dtype", "threads", "cpu_kernels", "compile", "compile_prefill", "max_seq_length",
+            "kv_cache_dtype", "profile", "chat", "system", "stop", "ignore_eos", "metrics_json")
+    return {**{k: getattr(args, k) for k in keep}, "prompts": args.prompt, "grammars": args.guides}
+
+
+# ---- text: the prompt in, the answer out (the commands' and llm.py's) -----------------------------------------------
 
 def stop_strings(tokenizer, strings: Optional[list[str]]) -> Optional[Callable]:
     """stop(row) -> how many of the row's tokens to keep: through the token that completes the first of the stop
@@ -424,6 +433,8 @@ def encode_prompt(tokenizer, text: str, chat: bool = False, system: Optional[str
     return tokenizer.encode(tokenizer.apply_chat_template(messages), bos=False, specials=True)
 
 
+# ---- what a run prints and writes ---------------------------------------------------------------------------------
+
 def report(result, texts: list[str], i: int, num_samples: int, max_new_tokens: int, model_bytes: int,
            parallel=None) -> tuple[dict, list[dict]]:
     """Print what sample i of num_samples made, beside its text: a warning per row cut mid-grammar, the count and
@@ -439,14 +450,6 @@ def report(result, texts: list[str], i: int, num_samples: int, max_new_tokens: i
     print_summary(figures)
     return figures, [{"text": t, "tokens": r, "finish_reason": finish_reason(result, row, max_new_tokens)}
                      for row, (t, r) in enumerate(zip(texts, result.rows))]
-
-
-def run_options(args: argparse.Namespace) -> dict:
-    """generate.run's keywords from generate.py's parsed options."""
-    keep = ("checkpoint_path", "max_new_tokens", "num_samples", "batch_size", "temperature", "top_k", "top_p", "seed",
-            "device", "dtype", "threads", "cpu_kernels", "compile", "compile_prefill", "max_seq_length",
-            "kv_cache_dtype", "profile", "chat", "system", "stop", "ignore_eos", "metrics_json")
-    return {**{k: getattr(args, k) for k in keep}, "prompts": args.prompt, "grammars": args.guides}
 
 
 def finish_reason(result, row: int, max_new_tokens: int) -> str:

@@ -17,7 +17,6 @@ from typing import Callable, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import guided  # noqa: E402
 from cli import (DEFAULT_CHECKPOINT, DTYPES, KV_DTYPES, device_sync, peak_memory_gb, resolve_device,  # noqa: E402, F401
@@ -385,6 +384,7 @@ def run(*, checkpoint_path: Path, prompts: list[str], max_new_tokens: int, batch
         make_loop: Callable = plain_loop, speculate_k: int = 0, parallel=None, **sampling):
     """Load, generate num_samples times, print the text and the figures. make_loop: plain_loop or another with its
     keywords (speculative.make_loop); parallel, from tp.py: the rank's device, its loader, sums over the ranks."""
+    import checkpoint  # here: it brings the kernel modules, which the library's steps need only when asked for
     dev, dt = parallel.device if parallel else resolve_device(device), DTYPES[dtype]
     config = checkpoint.plan(checkpoint_path, dev, dt)
     tokenizer = checkpoint.load_tokenizer(checkpoint_path, config)

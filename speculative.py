@@ -247,10 +247,10 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
     if (speculate in ("draft", "tree", "staged")) != (draft is not None):
         raise ValueError(f"speculate={speculate!r} needs a draft model" if draft is None else
                          f"a draft model is used only with speculate='draft', 'tree' or 'staged'")
-    trees_ = speculate in ("tree", "staged", "suffix", "lookahead")
-    if trees_ and guide is not None:
+    as_tree = speculate in ("tree", "staged", "suffix", "lookahead")
+    if as_tree and guide is not None:
         raise ValueError("token trees do not support guided generation; use speculate='draft' or 'lookup'")
-    if trees_ and parallel:  # each rank would choose the tree's size from its own timings
+    if as_tree and parallel:  # each rank would choose the tree's size from its own timings
         raise ValueError("token trees are not supported with tensor parallelism")
     if speculate is None:
         return generate.plain_loop(model, max_new_tokens=max_new_tokens, guide=guide, steps=steps, **sampling)
@@ -259,7 +259,7 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
         if len(prompts) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
         return prompts[0]
-    if trees_:  # one proposer and one set of measured costs for every call
+    if as_tree:  # one proposer and one set of measured costs for every call
         sizer = trees.Sizer()
         proposer = trees.DraftTree(draft, steps.draft_tree, staged=trees.Suffix() if speculate == "staged" else None) \
             if draft is not None else trees.Suffix() if speculate == "suffix" else trees.Lookahead()
