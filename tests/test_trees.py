@@ -164,7 +164,7 @@ def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled, staged):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
     steps = gen.build_steps(compile=compiled)
     prompt = [1, 17, 42, 99, 7, 17, 42, 99]
-    proposer = DraftTree(draft, steps.draft, staged=Suffix() if staged else None)
+    proposer = DraftTree(draft, steps.draft_tree, staged=Suffix() if staged else None)
     out = tree_generate(target, prompt, 40, proposer, 16, steps=steps, temperature=0)
     assert out.rows[0] == greedy(target, prompt, 40)
     assert sum(out.accept_histogram) == out.forwards and sum(out.tree_sizes.values()) == out.forwards
