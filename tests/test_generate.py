@@ -218,3 +218,18 @@ def test_asking_for_compiled_steps_sets_the_compilers_options_before_the_first_c
     import torch._dynamo.config as config
     gen.build_steps(compile=True)  # torch.compile is lazy: the options are read at the first call, after this
     assert config.specialize_float and config.use_recursive_dict_tags_for_guards
+
+
+def test_a_compiled_step_takes_python_floats_as_constants():
+    """compile_step sets dynamo's options when it is called, and the lazy compilation still reads them: a float
+    argument (an eps, a temperature) is a constant in the graph, so a new value compiles the step again."""
+    import subprocess
+    import sys
+    code = ("import torch, generate; from torch._dynamo.utils import counters; "
+            "step = generate.compile_step(lambda x, temperature: x * temperature); "
+            "[step(torch.ones(4), temperature=t) for t in (0.5, 0.5, 0.7)]; "
+            "print(counters['stats']['unique_graphs'])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=gen.DEFAULT_CHECKPOINT.parent.parent, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] == "2"
