@@ -15,11 +15,11 @@ from typing import Callable, Optional, Union
 
 import torch
 
-import checkpoint
 import cli
 import generate as gen
 import guided
 import speculative
+from checkpoint import checkpoint_files, load_model, load_tokenizer, plan
 
 
 @dataclass
@@ -39,7 +39,7 @@ class LLM:
     compiles); cpu_kernels: "auto" or "off"; kv_cache_dtype: None (the model's) or "int8"; max_seq_length: the
     KV cache's length (default: the model's, at most 2048); threads: CPU threads (default: the free cores)."""
 
-    def __init__(self, checkpoint_path: Union[str, Path], *, draft: Union[str, Path, None] = None,
+    def __init__(self, checkpoint: Union[str, Path], *, draft: Union[str, Path, None] = None,
                  device: str = "auto", dtype: str = "bfloat16", compile: bool = False, cpu_kernels: str = "auto",
                  kv_cache_dtype: Optional[str] = None, max_seq_length: Optional[int] = None,
                  threads: Optional[int] = None):
@@ -47,20 +47,20 @@ class LLM:
         choose("cpu_kernels", cpu_kernels, ("auto", "off"))
         choose("kv_cache_dtype", kv_cache_dtype, (None, "int8"))
         self.device, dt = gen.resolve_device(device), gen.DTYPES[dtype]
-        config = checkpoint.plan(checkpoint_path, self.device, dt)
+        config = plan(checkpoint, self.device, dt)
         length = max_seq_length or min(config.block_size, 2048)
         require(whole(length) and 1 < length <= config.block_size,
                 f"max_seq_length must be in 2..{config.block_size} (the model's block_size), got {length}")
         require(threads is None or whole(threads) and threads >= 1, f"threads must be at least 1, got {threads}")
-        checkpoint.plan(checkpoint_path, self.device, dt, 1, length, min(length, 2048), kv_int8=bool(kv_cache_dtype))
-        self.tokenizer = checkpoint.load_tokenizer(checkpoint_path, config)
+        plan(checkpoint, self.device, dt, 1, length, min(length, 2048), kv_int8=bool(kv_cache_dtype))
+        self.tokenizer = load_tokenizer(checkpoint, config)
         if self.device.type == "cpu":
             cli.set_threads(threads)
-        self.model = checkpoint.load_model(checkpoint_path, self.device, dt, cpu_kernels)
+        self.model = load_model(checkpoint, self.device, dt, cpu_kernels)
         self.kv_dtype, self.length = gen.KV_DTYPES.get(kv_cache_dtype or "auto"), length
         self.model.setup_caches(1, length, self.kv_dtype)
         self.draft = None if draft is None else speculative.load_draft(
-            draft, checkpoint.checkpoint_files(checkpoint_path)[0], self.model, self.device, dt, cpu_kernels)
+            draft, checkpoint_files(checkpoint)[0], self.model, self.device, dt, cpu_kernels)
         self.steps = gen.build_steps(compile)
         self.weight_bytes = gen.weight_bytes(self.model)
 

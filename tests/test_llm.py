@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import generate
 from conftest import needs_smollm2
@@ -97,6 +98,13 @@ def test_chat_on_a_model_without_a_template_is_refused(llm):
 def test_a_bad_keyword_is_a_value_error_naming_the_problem(llm, options, problem):
     with pytest.raises(ValueError, match=re.escape(problem)):
         llm.generate(PROMPT, **options)
+
+
+def test_an_int8_kv_cache_stays_int8_through_a_batch_and_speculation():
+    small = LLM(DRAFT, device="cpu", kv_cache_dtype="int8", max_seq_length=64)
+    small.generate([PROMPT, PROMPT], max_new_tokens=8, temperature=0)
+    small.generate(PROMPT, max_new_tokens=80, temperature=0, speculate="lookup")  # a longer cache than asked for
+    assert small.model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
 
 
 def test_speculating_with_a_draft_needs_one():
