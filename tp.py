@@ -61,7 +61,7 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
 
 def finish():
     """Leave together, and without tearing gloo down: a rank whose peer closed its connections first could abort
-    in the teardown ("terminate called without an active exception", about one two-rank run in 15), after all
+    in the teardown ("terminate called without an active exception"), after all
     its work was done. The barrier ensures every rank has finished; the process then ends at once."""
     dist.barrier()
     sys.stdout.flush()
