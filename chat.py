@@ -3,22 +3,27 @@ prefills only the tokens the cache does not already hold (the new user message, 
 writes around it), so a long conversation does not get slower to answer. Commands: /reset, /system TEXT,
 /save FILE, /load FILE, /stats, /help, /quit. When standard input is not a terminal, each line is one user turn
 and each reply is printed on its own."""
-import argparse
-import json
+import os
+import signal
 import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
 
-import torch
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line and status 130, as cli.run_main says later
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted", file=sys.stderr), os._exit(130)))
 
-import checkpoint
-import cli
-import cpu_gemv
-import generate
-import guided
-import speculative
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+
+import checkpoint  # noqa: E402
+import cli  # noqa: E402
+import generate  # noqa: E402
+import guided  # noqa: E402
+import speculative  # noqa: E402
 
 HISTORY = Path.home() / ".cache" / "fast-decode" / "chat_history"
 HELP = ("/reset  forget the conversation        /system TEXT  set the system message (and reset)\n"
@@ -56,30 +61,30 @@ def fit_context(chat: Conversation, tokenizer, user: str, room: int) -> tuple[li
         dropped += 1
 
 
-def answer(chat: Conversation, user: str, tokenizer, model, loop, args, out) -> Optional[dict]:
-    """One turn: prompt, reply (streamed to `out` if given), figures. None if the message cannot fit."""
-    guess = args.speculate_k + 1 if args.prompt_lookup else args.max_nodes if args.suffix else 0  # a round's slots
-    room = model.max_seq_length - args.max_new_tokens - guess
+def answer(chat: Conversation, user: str, tokenizer, model, loop: Callable, *, max_new_tokens: int, extra: int = 0,
+           stop: Optional[list[str]] = None, ignore_eos: bool = False, stream: bool = False) -> dict:
+    """One turn: prompt, reply (streamed to standard output if stream), figures. extra: the cache slots a
+    speculative round writes past the reply."""
+    room = model.max_seq_length - max_new_tokens - extra
     ids, dropped = fit_context(chat, tokenizer, user, room)
     if dropped:
         print(f"(the context of {model.max_seq_length} tokens is full: dropped the oldest {dropped} exchange"
               f"{'s' if dropped > 1 else ''}; /reset starts afresh)", file=sys.stderr)
     if len(ids) > room:
-        raise ValueError(f"this message makes a prompt of {len(ids)} tokens, and with --max_new_tokens "
-                         f"{args.max_new_tokens} that exceeds the context of {model.max_seq_length}; /reset, or "
-                         f"write less")
+        raise ValueError(f"this message makes a prompt of {len(ids)} tokens, and with {max_new_tokens} new tokens "
+                         f"that exceeds the context of {model.max_seq_length}; /reset, or write less")
     cached = min(common_prefix(chat.cached, ids), len(ids) - 1)  # prefill needs at least one token to predict from
-    streamer = generate.make_streamer(tokenizer, ids) if out is not None else None
-    result = loop(None if args.ignore_eos else tokenizer.eos_ids, streamer, generate.stop_strings(tokenizer, args.stop),
-                  cached, [ids])
+    eos_ids = None if ignore_eos else tokenizer.eos_ids
+    streamer = cli.make_streamer(tokenizer, ids, eos_ids) if stream else None
+    result = loop([ids], eos_ids, streamer, cli.stop_strings(tokenizer, stop), cached)
     reply = result.rows[0]
-    text = generate.cut_text(tokenizer.decode(ids + reply)[len(tokenizer.decode(ids)):], args.stop)
+    text = cli.new_text(tokenizer, ids, reply, stop)
     chat.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
     chat.cached = ids + reply[:-1]  # fed back through the model: all but the last new token
     m = result.metrics(0)
     return {"prefill_tokens": result.prompt_tokens, "new_tokens": len(reply), "ttft_ms": m["ttft_ms"],
             "decode_tokens_per_sec": m["decode_tokens_per_sec"], "context_tokens": len(ids) + len(reply),
-            "text": text}
+            "incomplete": m["incomplete"], "text": text}
 
 
 def command(line: str, chat: Conversation, stats: list[dict], model) -> bool:
@@ -133,17 +138,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max_new_tokens", type=cli.positive_int, default=512, help="the longest reply")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context, in tokens, kept in the KV cache "
                    "(default: the model's, at most 4096)")
-    generate.add_kv_cache_option(p)
+    cli.add_kv_cache_option(p)
     p.add_argument("--temperature", type=cli.finite_float, default=0.7, help="0 is greedy (exact argmax)")
     p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample among the k most likely tokens")
     p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample among the most likely tokens that "
                    "hold this much probability, in (0, 1]")
-    p.add_argument("--seed", type=int, default=1234, help="random seed")
+    p.add_argument("--seed", type=cli.seed, default=1234, help="random seed")
     p.add_argument("--stop", action="append", metavar="STRING", help="end a reply at this text; may be repeated")
     p.add_argument("--ignore_eos", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="bfloat16", choices=list(generate.DTYPES), help="weight and activation dtype")
-    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores other "
+                   "programs leave free)")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="as generate.py")
     p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill with dynamic shapes")
@@ -154,39 +160,43 @@ def parser() -> argparse.ArgumentParser:
                    "conversation's earlier text, from a suffix trie kept across turns")
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write each turn's prefill_tokens, "
                    "new_tokens, ttft_ms and decode_tokens_per_sec as JSON, after every turn")
-    generate.add_guided_options(p)
-    p.set_defaults(draft_checkpoint_path=None, fixed_k=False, tree=False, lookahead=False, max_nodes=32)
+    cli.add_guided_options(p)
     return cli.one_line_errors(p)
 
 
-def load(args):
-    """The checked model, tokenizer and decode loop; every check runs before any weight is read."""
-    device, dtype = generate.resolve_device(args.device), generate.DTYPES[args.dtype]
-    config = checkpoint.plan(args.checkpoint_path, device, dtype)
-    tokenizer = checkpoint.load_tokenizer(args.checkpoint_path, config)
-    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # no template: fail now, with one line
-    length = args.max_seq_length or min(config.block_size, 4096)
+def load(checkpoint_path: Path, *, max_new_tokens: int, max_seq_length: Optional[int] = None, device: str = "auto",
+         dtype: str = "bfloat16", kv_cache_dtype: str = "auto", threads: Optional[int] = None,
+         cpu_kernels: str = "auto", compile: bool = False, compile_prefill: bool = False,
+         speculate: Optional[str] = None, speculate_k: int = 8, ngram: Optional[int] = None, max_nodes: int = 32,
+         grammars: list[str] = (), **sampling):
+    """The checked model, tokenizer and decode loop (speculate: None, "lookup" or "suffix"; grammars: every
+    reply matches them); every check runs before any weight is read."""
+    dev, dt = generate.resolve_device(device), generate.DTYPES[dtype]
+    config = checkpoint.plan(checkpoint_path, dev, dt)
+    tokenizer = checkpoint.load_tokenizer(checkpoint_path, config)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{checkpoint_path} has no chat template (no chat_template.jinja or tokenizer_config.json "
+                         f"chat_template beside its tokenizer), so it is not a chat model; for plain text use "
+                         f"generate.py")
+    length = max_seq_length or min(config.block_size, 4096)
     if length > config.block_size:
         raise ValueError(f"--max_seq_length {length} exceeds the model's block_size {config.block_size}")
-    if args.max_new_tokens >= length:
-        raise ValueError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
-                         f"{length}")
-    checkpoint.plan(args.checkpoint_path, device, dtype, 1, length, min(length, 2048),
-                    kv_int8=args.kv_cache_dtype == "int8")
-    if device.type == "cpu":
-        cli.set_threads(args.threads, 1)
-    args.batch_size = 1
-    guide = generate.make_guide(args, tokenizer, config.vocab_size)  # every reply matches it
-    model = checkpoint.load_model(args.checkpoint_path, device, dtype, args.cpu_kernels)
-    model.setup_caches(1, length, generate.KV_DTYPES[args.kv_cache_dtype])
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    loop = speculative.speculative_loop(args, model, [[0]], None, guide, **sampling)
-    kernels = f"; {cpu_gemv.describe(model)}" if device.type == "cpu" else ""
-    print(f"Loaded {args.checkpoint_path} on {device}, {args.dtype}{kernels}; context {length} tokens", file=sys.stderr)
-    if args.compile or args.compile_prefill:
+    if max_new_tokens >= length:
+        raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in a context of {length}")
+    checkpoint.plan(checkpoint_path, dev, dt, 1, length, min(length, 2048), kv_int8=kv_cache_dtype == "int8")
+    chosen = cli.set_threads(threads, 1) if dev.type == "cpu" else None
+    guide = guided.make_guide(tokenizer, list(grammars), 1, config.vocab_size, speculate_k if speculate else 0)
+    model = checkpoint.load_model(checkpoint_path, dev, dt, cpu_kernels)
+    model.setup_caches(1, length, generate.KV_DTYPES[kv_cache_dtype])
+    loop = speculative.make_loop(model, max_new_tokens=max_new_tokens, speculate=speculate, speculate_k=speculate_k,
+                                 ngram=ngram, max_nodes=max_nodes, guide=guide,
+                                 steps=generate.build_steps(compile, compile_prefill), **sampling)
+    print(f"Loaded {checkpoint_path} on {dev}{f' ({chosen} threads)' if chosen else ''}, {dtype}"
+          f"{cli.kernels_of(model, dev) if dev.type == 'cpu' else ''}; context {length} tokens", file=sys.stderr)
+    if compile or compile_prefill:
         t0 = time.perf_counter()  # one untimed reply compiles the steps (and records the CUDA graphs)
-        loop(None, None, None, 0, [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]),
-                                                    bos=False, specials=True)])
+        loop([tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]), bos=False,
+                               specials=True)])
         print(f"Compilation time: {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return model, tokenizer, loop
 
@@ -195,16 +205,25 @@ def main(argv=None):
     args = parser().parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ValueError("--temperature must be >= 0 and --top_p in (0, 1]")
-    args.guides = ([guided.any_json()] if args.json else []) + (args.guides or [])
-    if len(args.guides) > 1:
+    grammars = ([guided.any_json()] if args.json else []) + (args.guides or [])
+    if len(grammars) > 1:
         raise ValueError("give one of --json_schema, --json, --regex or --grammar: every reply matches it")
     if args.suffix and args.prompt_lookup:
         raise ValueError("use --suffix or --prompt_lookup, not both")
-    if args.suffix and args.guides:
+    if args.suffix and grammars:
         raise ValueError("--suffix does not support guided generation; use --prompt_lookup")
+    if sys.stdin is None:  # started with standard input closed
+        raise ValueError("standard input is closed: chat.py reads the messages from it")
     cli.check_output_file(args.metrics_json, "--metrics_json", '"turns"')
     interactive = sys.stdin.isatty()
-    model, tokenizer, loop = load(args)
+    speculate = "lookup" if args.prompt_lookup else "suffix" if args.suffix else None
+    model, tokenizer, loop = load(
+        args.checkpoint_path, max_new_tokens=args.max_new_tokens, max_seq_length=args.max_seq_length,
+        device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
+        cpu_kernels=args.cpu_kernels, compile=args.compile, compile_prefill=args.compile_prefill,
+        speculate=speculate, speculate_k=args.speculate_k, ngram=args.prompt_lookup, grammars=grammars,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    extra = args.speculate_k + 1 if args.prompt_lookup else 32 if args.suffix else 0  # a round's slots
     torch.manual_seed(args.seed)
     chat, stats = Conversation(system=args.system), []
     if interactive:
@@ -222,13 +241,17 @@ def main(argv=None):
                 if not command(line.strip(), chat, stats, model):
                     break
                 continue
-            turn = answer(chat, line, tokenizer, model, loop, args, sys.stdout if interactive else None)
+            turn = answer(chat, line, tokenizer, model, loop, max_new_tokens=args.max_new_tokens, extra=extra,
+                          stop=args.stop, ignore_eos=args.ignore_eos, stream=interactive)
         except ValueError as e:
             if not interactive:
                 raise  # a script's bad line ends the run with one error line and status 2
             print(f"error: {cli.first_line(e)}", file=sys.stderr)
             continue
         print("" if interactive else turn["text"], flush=True)
+        if turn["incomplete"]:
+            print("warning: the reply is incomplete: it reached --max_new_tokens before its grammar was complete",
+                  file=sys.stderr)
         stats.append({k: v for k, v in turn.items() if k != "text"})
         if args.metrics_json:
             text = json.dumps({"turns": stats}, indent=2)

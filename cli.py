@@ -1,9 +1,14 @@
 """What every command shares. Bad input ends in one line on stderr and exit status 2, Ctrl-C in one line and
 status 130; options are checked before any work starts; an output file replaces only an earlier output of the
-same kind; the CPU thread count is set once, with a warning when other work already keeps the cores busy."""
+same kind; the CPU thread count is set once, from the cores other work leaves free. Also generate.py's and
+speculative.py's command line: their options, the run that loads, times and prints, and its metrics file."""
 import argparse
+import difflib
+import json
 import math
 import os
+import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,6 +17,9 @@ from typing import Callable, Optional
 import torch
 
 BAD_INPUT, INTERRUPTED = 2, 130
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "stdlib-target"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+KV_DTYPES = {"auto": None, "int8": torch.int8}
 OLDEST_TORCH = "2.11"  # the oldest torch the tests pass on (2.11.0, 2.13.0); 2.5 lacks options and ops used here
 
 
@@ -32,6 +40,7 @@ def first_line(e: BaseException) -> str:
 def run_main(main: Callable, *args):
     """Call main(*args) the way every entry point does: bad input is one line and status 2, Ctrl-C is one line
     and status 130; what was printed before either stays."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the entry point's quiet handler covered the imports
     try:
         main(*args)
     except KeyboardInterrupt:
@@ -50,8 +59,19 @@ def summary(doc: str) -> str:
 
 
 def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.error = lambda msg: fail(msg)  # one line, not argparse's usage block
+    p.error = lambda msg: fail(msg + suggestion(p, msg))  # one line, not argparse's usage block
     return p
+
+
+def suggestion(p: argparse.ArgumentParser, msg: str) -> str:
+    """For an unknown option, the closest known one: "; did you mean --max_new_tokens?"."""
+    if not msg.startswith("unrecognized arguments:"):
+        return ""
+    for word in msg.split(":", 1)[1].split():
+        close = difflib.get_close_matches(word.split("=")[0], list(p._option_string_actions), n=1, cutoff=0.6)
+        if word.startswith("-") and close:
+            return f"; did you mean {close[0]}?"
+    return ""
 
 
 def require(checks: list[tuple[bool, str]]):
@@ -61,14 +81,23 @@ def require(checks: list[tuple[bool, str]]):
             raise ValueError(msg)
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str, lo: int, hi: int) -> int:  # argparse names the option in front of the message
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}" if value < lo else
+                                         f"must be at most {hi}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return whole_number(text, 1, 2**31 - 1)
+
+
+def seed(text: str) -> int:  # what torch.manual_seed takes
+    return whole_number(text, 0, 2**64 - 1)
 
 
 def finite_float(text: str) -> float:
@@ -146,6 +175,58 @@ def available_memory(device: Optional[torch.device] = None) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # no /proc (macOS): all of RAM
 
 
+# ---- devices and figures -------------------------------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
+    available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if not available.get(device.type, False):
+        raise ValueError(f"device {name!r} is not available on this machine")
+    return device
+
+
+def weight_bytes(model) -> int:
+    """Bytes one decode step must read: every weight once. An untied embedding table is not read whole, one row
+    per token, so it is left out; the KV cache and RoPE table are not weights."""
+    tied = model.output.weight is model.tok_embeddings.weight  # a quantized head is never tied
+    skip = {"freqs_cis"} | (set() if tied else {"tok_embeddings.weight"})
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return sum(t.numel() * t.element_size() for n, t in tensors if n not in skip and "kv_cache" not in n)
+
+
+def peak_memory_gb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory() / 1e9
+    status = Path("/proc/self/status")
+    if status.exists():  # Linux: VmHWM is this process's peak; ru_maxrss would include a parent's, kept across exec
+        return next(int(l.split()[1]) for l in status.read_text().splitlines() if l.startswith("VmHWM")) * 1024 / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e9  # macOS: bytes
+
+
+def device_sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def kernels_of(model, device) -> str:  # what a "Loaded" line says of the kernels
+    if device.type == "cpu":
+        import cpu_gemv
+        return f"; {cpu_gemv.describe(model)}"
+    if device.type == "cuda":
+        import cuda_gemv
+        return f"; {cuda_gemv.describe(model)}"
+    return ""
+
+
 # ---- threads -------------------------------------------------------------------------------------------------------
 
 def physical_cores() -> int:
@@ -180,17 +261,249 @@ def busy_threads(samples: int = 5) -> int:
 
 
 def set_threads(threads: Optional[int], share: int = 1, decode: bool = True) -> int:
-    """Use `threads` CPU threads (default: the physical cores, split among `share` processes on one machine).
-    Decode runs one parallel region per layer, and each waits for its slowest thread: a thread that has to share
-    its core with other work stalls all of them, so before decoding say so once, with the fix."""
-    threads = threads or max(1, physical_cores() // share)
-    torch.set_num_threads(threads)
-    if not decode:
-        return threads
+    """Use `threads` CPU threads, or by default the physical cores that other programs leave free, split among
+    `share` processes on one machine. Decode runs one parallel region per layer, and each waits for its slowest
+    thread: a thread that has to share its core with other work stalls all of them, so before decoding say so once,
+    with what was chosen."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    others = max(0, busy_threads() - (share - 1))  # less the other ranks of a tensor-parallel run, loading too
-    if others and threads * share + others > cores:
+    others = max(0, busy_threads() - (share - 1)) if decode else 0  # less the other ranks, loading too
+    free = max(1, min(physical_cores(), cores - others) // share)
+    chosen = threads or (free if decode else max(1, physical_cores() // share))
+    torch.set_num_threads(chosen)
+    if others and not threads:
+        print(f"warning: {others} thread(s) of other programs are running on this machine's {cores} CPUs, so "
+              f"decoding uses {chosen} thread(s) (--threads to choose)", file=sys.stderr, flush=True)
+    elif others and chosen * share + others > cores:  # the fix, unless it is what was asked for already
+        fix = f"; pass --threads {free} or stop them" if free < chosen else "; stop them for full speed"
         print(f"warning: {others} thread(s) of other programs are running on this machine's {cores} CPUs; decode "
-              f"with {threads} threads can be many times slower while they do. Stop them, or pass --threads "
-              f"{max(1, (cores - others) // share)}", file=sys.stderr, flush=True)
-    return threads
+              f"with {chosen} threads can be many times slower while they do{fix}", file=sys.stderr, flush=True)
+    return chosen
+
+
+# ---- generate.py's and speculative.py's command line ---------------------------------------------------------------
+
+def generate_parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=summary(doc))
+    p.add_argument("--prompt", action="append", help="prompt text, or - to read it from standard input; repeat "
+                   "the flag for a batch of prompts (default: 'def fibonacci(n):')")
+    p.add_argument("--prompt_file", type=Path, action="append", metavar="PATH", help="read a prompt from this "
+                   "UTF-8 text file; may be repeated, and combined with --prompt")
+    p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
+                   help="checkpoint directory: model.safetensors, config.json, tokenizer.model "
+                   "(default: the built-in model trained on the Python standard library)")
+    p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per row")
+    p.add_argument("--num_samples", type=positive_int, default=1, help="how many times to generate (each "
+                   "timed separately)")
+    p.add_argument("--batch_size", type=positive_int, help="rows per batch: a single prompt is repeated this "
+                   "many times (default: the number of prompts)")
+    p.add_argument("--temperature", type=finite_float, default=0.8, help="0 is greedy (exact argmax)")
+    p.add_argument("--top_k", type=positive_int, default=200, help="sample only among the k most likely tokens")
+    p.add_argument("--top_p", type=finite_float, default=1.0, help="sample only among the most likely tokens "
+                   "that hold this much probability mass, in (0, 1]")
+    p.add_argument("--seed", type=seed, default=1234, help="random seed, for reproducible sampling")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: the physical cores other "
+                   "programs leave free)")
+    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: this CPU's decode "
+                   "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
+    p.add_argument("--compile", action="store_true", help='compile the decode step (fullgraph): CUDA graphs on a GPU '
+                   '(mode="reduce-overhead"); on a CPU, batch-1 decoding as one C++ call on the kernels '
+                   '(cpu_step.py), anything else through a C++ wrapper; the compile time is reported apart')
+    p.add_argument("--compile_prefill", action="store_true", help="compile prefill, with dynamic shapes "
+                   "(one compilation serves every prompt length)")
+    p.add_argument("--max_seq_length", type=positive_int, help="KV cache length (default: longest prompt + "
+                   "max_new_tokens)")
+    add_kv_cache_option(p)
+    p.add_argument("--profile", type=Path, metavar="PATH", help="write a torch.profiler trace of the last sample "
+                   "to PATH (Chrome trace JSON)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template, as a user "
+                   "turn, and print only the answer")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
+    p.add_argument("--stop", action="append", metavar="STRING", help="end a row where its text first contains "
+                   "STRING (not printed); may be repeated")
+    p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence tokens")
+    add_guided_options(p)
+    p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
+                   "as JSON (averaged over the samples after the first)")
+    return one_line_errors(p)
+
+
+def add_kv_cache_option(p: argparse.ArgumentParser):
+    p.add_argument("--kv_cache_dtype", default="auto", choices=["auto", "int8"], help="auto: the model's dtype; "
+                   "int8: about half the memory, keys rounded to int8 with a scale per position and head, values "
+                   "with one per 32 (on x86 CPUs decode attention reads it as it is; elsewhere it is dequantized "
+                   "every step)")
+
+
+def add_guided_options(p: argparse.ArgumentParser):
+    import guided
+    g = p.add_argument_group("guided generation", "the output always matches: give one for all prompts, or one "
+                             "per prompt (in the order of the prompts); a row ends once its grammar is complete")
+    g.add_argument("--json_schema", dest="guides", action="append", type=guided.json_schema, metavar="FILE_OR_JSON",
+                   help="a JSON schema, as a file or as JSON text")
+    g.add_argument("--json", action="store_true", help="a JSON object or array, with any content")
+    g.add_argument("--regex", dest="guides", action="append", type=guided.regex, metavar="PATTERN",
+                   help="a regular expression the whole output matches")
+    g.add_argument("--grammar", dest="guides", action="append", type=guided.lark, metavar="FILE.lark",
+                   help="a Lark grammar (llguidance's dialect: a start rule, /regex/ terminals)")
+
+
+def read_prompts(args) -> list[str]:
+    """--prompt texts (- reads standard input) and --prompt_file contents, in that order."""
+    prompts = [sys.stdin.read() if s == "-" else s for s in args.prompt or []]
+    prompts += [check_text_file(f, "--prompt_file").read_text(encoding="utf-8") for f in args.prompt_file or []]
+    for s in prompts:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: bytes that were not UTF-8 in the shell's argument
+            raise ValueError("the prompt is not valid UTF-8 text") from None
+        if not s.strip():
+            raise ValueError("the prompt is empty")
+    return prompts or ["def fibonacci(n):"]
+
+
+def parse_generate_args(argv, p: argparse.ArgumentParser) -> argparse.Namespace:
+    import guided
+    args = p.parse_args(argv)
+    checks = [(args.temperature >= 0, "--temperature must be >= 0"),
+              (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
+              (args.system is None or args.chat, "--system needs --chat"),
+              (all(args.stop or ()), "--stop needs a non-empty string")]
+    for ok, msg in checks:
+        if not ok:
+            p.error(msg)
+    check_output_file(args.metrics_json, "--metrics_json", '"ttft_ms"')
+    check_output_file(args.profile, "--profile", '"traceEvents"')
+    args.guides = ([guided.any_json()] if args.json else []) + (args.guides or [])
+    args.prompt = read_prompts(args)  # one prompt stays one until run() has checked the batch fits in memory
+    if args.batch_size is None:
+        args.batch_size = len(args.prompt)
+    elif len(args.prompt) > 1 and args.batch_size != len(args.prompt):
+        p.error(f"--batch_size {args.batch_size} does not match the {len(args.prompt)} prompts given")
+    if len(args.guides) not in (0, 1, args.batch_size):
+        p.error(f"{len(args.guides)} of --json_schema, --json, --regex and --grammar for {args.batch_size} prompts: "
+                f"give one for all, or one per prompt")
+    return args
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """generate.run's keywords from generate.py's parsed options."""
+    keep = ("checkpoint_path", "max_new_tokens", "num_samples", "batch_size", "temperature", "top_k", "top_p", "seed",
+            "device", "dtype", "threads", "cpu_kernels", "compile", "compile_prefill", "max_seq_length",
+            "kv_cache_dtype", "profile", "chat", "system", "stop", "ignore_eos", "metrics_json")
+    return {**{k: getattr(args, k) for k in keep}, "prompts": args.prompt, "grammars": args.guides}
+
+
+# ---- text: the prompt in, the answer out (the commands' and llm.py's) -----------------------------------------------
+
+def stop_strings(tokenizer, strings: Optional[list[str]]) -> Optional[Callable]:
+    """stop(row) -> how many of the row's tokens to keep: through the token that completes the first of the stop
+    strings in the row's text, or all of them. The text is cut before the string later (cut_text)."""
+    if not strings:
+        return None
+
+    def stop(row: list[int]) -> int:
+        if not any(s in tokenizer.decode(row) for s in strings):
+            return len(row)
+        lo, hi = 1, len(row)  # a string, once in the text of a prefix, stays in the text of longer ones
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if any(s in tokenizer.decode(row[:mid]) for s in strings) else (mid + 1, hi)
+        return lo
+    return stop
+
+
+def cut_text(text: str, strings: Optional[list[str]]) -> str:
+    """The text before the first stop string (the stop string is not part of the answer)."""
+    return text[: min([text.find(s) for s in strings or () if s in text], default=len(text))]
+
+
+def new_text(tokenizer, prompt: list[int], row: list[int], stop: Optional[list[str]] = None) -> str:
+    """The text the row adds to the prompt (decoded together: SentencePiece's spaces depend on what precedes)."""
+    return cut_text(tokenizer.decode(prompt + row)[len(tokenizer.decode(prompt)):], stop)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False, system: Optional[str] = None) -> list[int]:
+    """Plain text with BOS, or a user turn (after a system one) in the model's chat template, whose special
+    tokens become their ids."""
+    if not chat:
+        return tokenizer.encode(text, bos=True)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), bos=False, specials=True)
+
+
+# ---- what a run prints and writes ---------------------------------------------------------------------------------
+
+def report(result, texts: list[str], i: int, num_samples: int, max_new_tokens: int, model_bytes: int,
+           parallel=None) -> tuple[dict, list[dict]]:
+    """Print what sample i of num_samples made, beside its text: a warning per row cut mid-grammar, the count and
+    the figures. Returns the figures and each row's text, tokens and finish_reason."""
+    for row in result.incomplete:
+        print(f"warning: {f'row {row + 1}' if len(texts) > 1 else 'the output'} is incomplete: it reached "
+              f"--max_new_tokens before its grammar was complete", file=sys.stderr)
+    figures = result.metrics(model_bytes)
+    if parallel:
+        figures["peak_memory_gb_per_rank"] = parallel.gather(figures["peak_memory_gb"])
+    print(f"Sample {i + 1}/{num_samples}: {len(texts)} x {max(len(r) for r in result.rows)} new tokens"
+          f"{' (incomplete)' if result.incomplete else ''}")
+    print_summary(figures)
+    return figures, [{"text": t, "tokens": r, "finish_reason": finish_reason(result, row, max_new_tokens)}
+                     for row, (t, r) in enumerate(zip(texts, result.rows))]
+
+
+def finish_reason(result, row: int, max_new_tokens: int) -> str:
+    """"incomplete": guided output cut by max_new_tokens mid-grammar; "length": cut by max_new_tokens; "stop":
+    ended at EOS, at a stop string, or with its grammar complete."""
+    if row in result.incomplete:
+        return "incomplete"
+    return "length" if len(result.rows[row]) >= max_new_tokens else "stop"
+
+
+def write_metrics(path: Path, results: list[dict], **extra):
+    kept = results[1:] or results  # the first sample warms caches and allocators
+    metrics = {k: sum(r[k] for r in kept) / len(kept) if isinstance(v, (int, float)) and not isinstance(v, bool)
+               else kept[-1][k] for k, v in results[0].items()}
+    metrics.update(extra)
+    write_file(path, lambda tmp: tmp.write_text(json.dumps(metrics, indent=2)))
+
+
+def print_summary(m: dict):
+    print(f"Time to first token: {m['ttft_ms']:.1f} ms | decode: {m['decode_tokens_per_sec']:.2f} tokens/sec | "
+          f"overall: {m['tokens_per_sec']:.2f} tokens/sec | total: {m['total_s']:.2f} s")
+    per_rank = m.get("peak_memory_gb_per_rank")
+    memory = " / ".join(f"{x:.2f}" for x in per_rank) + " GB per rank" if per_rank else f"{m['peak_memory_gb']:.2f} GB"
+    print(f"Bandwidth achieved: {m['bandwidth_gb_s']:.2f} GB/s | peak memory: {memory}")
+    if m["accept_histogram"] is not None:
+        print(f"Speculative: {m['target_forwards']} target forwards | mean drafted / accepted per verify: "
+              f"{m['mean_drafted']:.2f} / {m['mean_accepted']:.2f} | acceptance rate: {m['acceptance_rate']:.1%}")
+        print(f"Accepted proposals per verify (histogram, 0..k): {m['accept_histogram']}")
+    if m.get("tree_sizes"):
+        print("Tree size per verify, chosen by measured cost (nodes: passes): "
+              + ", ".join(f"{n}: {c}" for n, c in m["tree_sizes"].items()))
+    if m["forced_tokens"] is not None:
+        print(f"Guided: {m['forced_tokens']:.0f} new tokens forced by the grammar (fed by fast-forward), "
+              f"{m['target_forwards']:.0f} forward passes")
+
+
+def print_texts(prompts: list[str], texts: list[str]):
+    if len(texts) == 1:
+        print(prompts[0] + texts[0])
+    for row, (prompt, text) in enumerate(zip(prompts, texts)):
+        if len(texts) > 1:
+            print(f"--- prompt {row + 1} of {len(texts)} ---\n{prompt}{text}")
+
+
+def make_streamer(tokenizer, prompt: list[int], eos_ids=None) -> Callable:
+    """Print the text as it grows, up to the first end-of-sequence token (a finished row repeats it, and a chat
+    template's end-of-turn token would show). Decoding the whole sequence keeps SentencePiece's spaces right."""
+    shown, eos = len(tokenizer.decode(prompt)), set(eos_ids or ())
+
+    def stream(tokens: list[int]):  # syncs with the device every step, so only used on a terminal
+        nonlocal shown
+        end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+        text = tokenizer.decode(prompt + tokens[:end])
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[shown:], end="", flush=True)
+            shown = max(shown, len(text))
+    return stream

@@ -1,20 +1,27 @@
 """Perplexity of a checkpoint on a text file, a folder of files, or the built-in held-out split of the Python
 standard library (the text the built-in models were not trained on)."""
-import argparse
-import hashlib
-import math
-import sysconfig
-from pathlib import Path
+import os
+import signal
+import sys
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line and status 130, as cli.run_main says later
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted", file=sys.stderr), os._exit(130)))
 
-import checkpoint
-import cli
-from checkpoint import checkpoint_files, load_model
-from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device
-from tokenizer import Tokenizer
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import math  # noqa: E402
+import sysconfig  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import checkpoint  # noqa: E402
+import cli  # noqa: E402
+from checkpoint import checkpoint_files, load_model  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 
 def stdlib_files(split: str) -> list[Path]:

@@ -10,6 +10,7 @@ in one forward pass, like a short prefill, instead of one step each (fast-forwar
 import argparse
 import importlib.metadata
 import json
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -17,23 +18,25 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from model import kv_bucket
+
 # compact JSON with no free whitespace: a small model given room for it may write newlines until its budget ends
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-class NoLlguidance(argparse.ArgumentTypeError, ValueError):
-    """llguidance missing or too old: shown as it is by argparse (in an option's type, where a plain ValueError
-    became "invalid regex value") and, as a ValueError, by cli.run_main."""
+class GrammarError(argparse.ArgumentTypeError, ValueError):
+    """A grammar that cannot be used, or llguidance missing: a ValueError to the library's callers, and shown as it
+    is by argparse in an option's type (where a plain ValueError becomes "invalid regex value")."""
 
 
 def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise NoLlguidance("guided generation needs the llguidance package (pip install llguidance)") from None
+        raise GrammarError("guided generation needs the llguidance package (pip install llguidance)") from None
     version = importlib.metadata.version("llguidance")  # 1.6 takes no list of end tokens, 1.8 misreads Lark grammars
     if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) < (1, 9):
-        raise NoLlguidance(f"guided generation needs llguidance 1.9 or newer; this is {version}")
+        raise GrammarError(f"guided generation needs llguidance 1.9 or newer; this is {version}")
     return llguidance
 
 
@@ -41,7 +44,7 @@ def _checked(grammar: str, what: str) -> str:
     """The grammar, or one line naming what is wrong with it (llguidance's first line)."""
     error = _llguidance().LLMatcher.validate_grammar(grammar)
     if error:
-        raise argparse.ArgumentTypeError(f"invalid {what}: {error.strip().splitlines()[0]}")
+        raise GrammarError(f"invalid {what}: {error.strip().splitlines()[0]}")
     return grammar
 
 
@@ -53,14 +56,14 @@ def json_schema(text: str) -> str:
     except OSError:  # a long JSON text is no file name the system accepts
         is_file = False
     if not is_file and not text.lstrip().startswith("{"):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a JSON schema file nor a JSON object")
+        raise GrammarError(f"{text!r} is neither a JSON schema file nor a JSON object")
     try:
         schema = json.loads(path.read_text(encoding="utf-8") if is_file else text)
     except (ValueError, OSError) as e:
-        raise argparse.ArgumentTypeError(f"{text if is_file else 'the schema'} is not valid JSON: "
+        raise GrammarError(f"{text if is_file else 'the schema'} is not valid JSON: "
                                          f"{str(e).splitlines()[0]}") from None
     if not isinstance(schema, (dict, bool)):
-        raise argparse.ArgumentTypeError("a JSON schema is an object (or true/false)")
+        raise GrammarError("a JSON schema is an object (or true/false)")
     return _checked(_llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "JSON schema")
 
 
@@ -79,8 +82,12 @@ def lark(file: str) -> str:  # --grammar: a Lark grammar file (llguidance's dial
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8"
-        raise argparse.ArgumentTypeError(f"cannot read the grammar file {file}: {why}") from None
-    return _checked(_llguidance().LLMatcher.grammar_from_lark(text), f"grammar in {file}")
+        raise GrammarError(f"cannot read the grammar file {file}: {why}") from None
+    return lark_text(text, f"grammar in {file}")
+
+
+def lark_text(text: str, what: str = "Lark grammar") -> str:  # a Lark grammar, as text
+    return _checked(_llguidance().LLMatcher.grammar_from_lark(text), what)
 
 
 # ---- the tokenizer, as llguidance sees it --------------------------------------------------------------------------
@@ -130,8 +137,7 @@ class Guide:
     def __init__(self, tokenizer, grammars: list[str], batch_size: int, vocab_size: int, k: int = 0,
                  fast_forward: bool = True):
         if len(grammars) not in (1, batch_size):
-            raise ValueError(f"{len(grammars)} grammars (--json_schema, --json, --regex, --grammar) for a batch "
-                             f"of {batch_size}: give one, or one per prompt")
+            raise ValueError(f"{len(grammars)} grammars for a batch of {batch_size}: give one, or one per prompt")
         llg = _llguidance()
         self.tokenizer = llg_tokenizer(tokenizer, vocab_size)
         grammars = grammars * (batch_size // len(grammars))
@@ -215,3 +221,78 @@ def allows(bits: Tensor, token: int) -> bool:  # bits [W] on the host
 def allowed_tokens(bits: Tensor, vocab_size: int) -> Tensor:  # bits [..., W] int32 -> [..., V] bool, on the device
     shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
     return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]
+
+
+# ---- the loop ------------------------------------------------------------------------------------------------------
+
+def generate_guided(model, idx, left_pad, cached: int, max_new_tokens: int, eos_ids, callback, steps,
+                    stop, guide: Guide, sync, not_finite, **sampling) -> tuple[list[list[int]], float, float, int, list[int]]:
+    """generate.generate's loop under grammars (idx [B, T], left-padded): each row's tokens, the prefill and decode
+    seconds, the forward passes after prefill, and the rows cut by max_new_tokens before their grammar was complete. Each step the host needs the sampled tokens to advance the
+    matchers: that is the step's one sync. The next mask is computed on a CPU thread while the forward pass runs,
+    and is applied on the device in `pick`. At batch 1 the tokens the grammar forces are fed in one forward pass
+    with the sampled one (fast-forward). A row ends at EOS, at a stop string, or once its grammar is complete.
+    sync(device) waits for the device; not_finite(i) is the error for a damaged token i."""
+    device, (B, T) = idx.device, idx.shape
+    eos, fill = set(eos_ids or ()), (list(eos_ids or ()) or [0])[0]
+    slots = torch.arange(T + max_new_tokens, device=device)  # positions are slices of this: no allocation
+    bits = torch.empty(B, guide.words, dtype=torch.int32, device=device)
+
+    def upload(mask) -> Tensor:  # the host bitmask, on the device (non_blocking: it is pinned)
+        return mask.result() if device.type == "cpu" else bits.copy_(mask.result(), non_blocking=True)
+
+    guide.reset()
+    rows, done, forwards = [[] for _ in range(B)], [False] * B, 0
+    sync(device)
+    t0 = time.perf_counter()
+    mask = guide.fill_async()
+    logits = steps.prefill_logits(model, idx[:, cached:], slots[cached:T], left_pad, kv_bucket(T, model.max_seq_length))
+    tokens = steps.pick(logits, upload(mask), **sampling).tolist()
+    t1 = time.perf_counter()
+    pos = T
+    while True:
+        for b, t in enumerate(tokens):
+            if done[b]:
+                continue
+            if t < 0:  # generate.NOT_FINITE
+                raise not_finite(len(rows[b]))
+            rows[b].append(t)
+            if t not in eos:
+                guide.consume(b, t)
+            done[b] = t in eos or guide.complete(b) or len(rows[b]) >= max_new_tokens or \
+                stop is not None and stop(rows[b]) < len(rows[b])
+        feed = [[fill if d else t] for t, d in zip(tokens, done)]
+        if B == 1 and not done[0]:  # forced tokens go in with the sampled one; batch rows would need own positions
+            forced = guide.fast_forward(0, max_new_tokens - len(rows[0]))
+            rows[0] += forced
+            feed[0] += forced
+            done[0] = guide.complete(0) or len(rows[0]) >= max_new_tokens
+        if callback is not None:
+            callback(rows[0])
+        if all(done):
+            break
+        S = len(feed[0])
+        mask = guide.fill_async(done)  # on the CPU thread, while the forward pass runs
+        logits = steps.logits(model, torch.tensor(feed, device=device), slots[pos : pos + S], left_pad,
+                              kv_bucket(pos + S, model.max_seq_length))
+        tokens = steps.pick(logits, upload(mask), **sampling).tolist()
+        pos, forwards = pos + S, forwards + 1
+    sync(device)
+    incomplete = [b for b, r in enumerate(rows) if len(r) >= max_new_tokens and not eos & set(r) and
+                  guide.incomplete(b)]
+    return rows, t1 - t0, time.perf_counter() - t1, forwards, incomplete
+
+
+def grammars(**given) -> list[str]:
+    """The llguidance grammars for the keywords given, each a way to constrain the output: json (True: any JSON
+    document), json_schema (a dict, or JSON text), regex (a pattern), grammar (a Lark grammar's text)."""
+    schema = given.get("json_schema")
+    schema = json.dumps(schema) if schema is not None and not isinstance(schema, str) else schema
+    made = ([any_json()] if given.get("json") else []) + ([json_schema(schema)] if schema is not None else [])
+    made += [regex(given["regex"])] if given.get("regex") is not None else []
+    return made + ([lark_text(given["grammar"])] if given.get("grammar") is not None else [])
+
+
+def make_guide(tokenizer, grammars: list[str], batch_size: int, vocab_size: int, k: int = 0) -> Optional[Guide]:
+    """The matchers for the grammars (one for every row, or one per row), or None without any."""
+    return Guide(tokenizer, grammars, batch_size, vocab_size, k) if grammars else None

@@ -5,10 +5,17 @@ copies what followed the most recent earlier occurrence of the context's last n-
 
 One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
 reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU each extra position costs real
-arithmetic (a quarter of a step or more here), which is why the adaptive rule below measures costs instead of
+arithmetic, which is why the adaptive rule below measures costs instead of
 assuming them."""
-import math
-import time
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line and status 130, as cli.run_main says later
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted", file=sys.stderr), os._exit(130)))
+
+import math  # noqa: E402
+import time  # noqa: E402
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,51 +28,10 @@ import cli
 import generate
 import trees
 from checkpoint import checkpoint_files, load_model, tokenizer_path
-from generate import Generation, compile_prefill, compile_step, decode_logits, device_sync, draw, peak_memory_gb, \
-    pick, prefill, probs_of
-from guided import Guide, allowed_tokens
+from generate import Generation, Steps, device_sync, draft_step, draw, peak_memory_gb, verify  # noqa: F401
+from guided import Guide
 from model import Transformer, kv_bucket
 from trees import reserve
-
-
-def masked(logits: Tensor, bits: Optional[Tensor]) -> Tensor:  # logits [N, V], bits [N, W] int32 or None
-    return logits if bits is None else logits.masked_fill(~allowed_tokens(bits, logits.size(-1)), -float("inf"))
-
-
-def draft_step(draft, cur, input_pos, kv_len, bits=None, **sampling):
-    """One draft token, the distribution it was drawn from, and the draft's own probability of it (from the
-    softmax when greedy, whose proposal is one-hot): the adaptive rule multiplies these along the draft. bits
-    (guided): the grammar's mask here, so the draft proposes only allowed tokens.
-    cur [1, 1], input_pos [1], bits [1, W] -> token [1], probs [1, V], conf [1]"""
-    logits = masked(draft(cur, input_pos, None, kv_len)[:, -1], bits)
-    probs = probs_of(logits, **sampling)
-    token = draw(probs)
-    soft = probs if sampling.get("temperature", 0) > 0 else torch.softmax(logits.float(), -1)
-    return token, probs, soft.gather(-1, token[:, None])[:, 0]
-
-
-def verify(model, tokens, input_pos, kv_len, bits=None, **sampling):  # tokens [1, S], input_pos [S] -> probs [S, V]
-    """The target's distributions after each token. bits [N, W] (guided): only the last N positions, each under
-    the grammar's mask there; the target's distribution renormalized over the allowed tokens is the one the
-    output must follow, and rejection sampling against it keeps that exactly."""
-    logits = model(tokens, input_pos, None, kv_len)[0]
-    return probs_of(logits if bits is None else masked(logits[-bits.size(0):], bits), **sampling)
-
-
-@dataclass(frozen=True)
-class Steps:
-    """The step functions the speculative loop calls, compiled or not, built once (see generate.Steps)."""
-    prefill: Callable = prefill
-    draft: Callable = draft_step
-    verify: Callable = verify
-    prefill_logits: Callable = decode_logits  # guided: the mask is applied after prefill, in pick
-    pick: Callable = pick
-
-
-def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
-    step = compile_step if compile else (lambda f: f)
-    first = compile_prefill if compile_prefill_too else (lambda f: f)
-    return Steps(first(prefill), step(draft_step), step(verify), first(decode_logits), step(pick))
 
 
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
@@ -80,7 +46,7 @@ def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
     n = int(torch.where(torch.isfinite(p).all() & torch.isfinite(q).all(), n, -1))  # the round's one host sync
     if n < 0:  # NaN compares false, so it would be "accepted": stop instead
         raise ValueError("a model's logits became NaN or infinite: the weights or the dtype overflow; "
-                         "try --dtype float32")
+                         "try the float32 dtype")
     if n == m:
         return n, draw(p[m:])
     residual = (p[n] - q[n]).clamp(min=0)
@@ -133,7 +99,7 @@ class Threshold:
 
 
 @torch.inference_mode()  # as generate: the compiled steps are shared
-def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, draft=None,
+def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, *, draft=None,
                          ngram: Optional[int] = None, adaptive: bool = False, eos_ids=None,
                          callback: Optional[Callable] = None, steps: Steps = Steps(),
                          agree: Optional[Callable] = None, stop: Optional[Callable] = None, cached: int = 0,
@@ -146,7 +112,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     ahead of the proposals, in the same pass; proposals stop at the first token the grammar rejects (a draft
     model samples under the grammar's mask), and the target verifies under the mask."""
     if k < 1:
-        raise ValueError(f"--speculate_k must be at least 1, got {k}")
+        raise ValueError(f"speculate_k must be at least 1, got {k}")
     if (draft is None) == (ngram is None):
         raise ValueError("speculation needs exactly one proposer: a draft model or prompt lookup")
     device, T = model.tok_embeddings.weight.device, len(prompt)
@@ -264,34 +230,58 @@ def load_draft(path, target_dir: Path, model: Transformer, device, dtype, cpu_ke
     return draft
 
 
-def speculative_loop(args, model: Transformer, prompts: list[list[int]], parallel=None, guide: Optional[Guide] = None,
-                     **sampling) -> Callable:
-    """generate.run's loop: (eos_ids, callback, stop, cached, prompts) -> Generation. Without a proposer, plain decoding. Under tensor
-    parallelism the draft is replicated on every rank."""
-    if not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix or args.lookahead):
-        return generate.plain_loop(args, model, prompts, parallel, guide, **sampling)
-    device = model.tok_embeddings.weight.device
-    draft = load_draft(args.draft_checkpoint_path, checkpoint_files(args.checkpoint_path)[0], model, device,
-                       model.norm.weight.dtype, args.cpu_kernels) if args.draft_checkpoint_path else None
-    if args.tree or args.suffix or args.lookahead:  # one proposer and one set of measured costs for every call
-        if parallel:  # each rank would choose the tree's size from its own timings
-            raise ValueError("--tree, --suffix and --lookahead are not supported with tensor parallelism")
-        steps, sizer = trees.build_steps(args.compile, args.compile_prefill), trees.Sizer()
-        proposer = trees.DraftTree(draft, steps.draft, staged=trees.Suffix() if args.staged else None) if args.tree \
-            else trees.Suffix() if args.suffix else trees.Lookahead()
-        return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: trees.tree_generate(
-            model, prompts[0], args.max_new_tokens, proposer, args.max_nodes, eos_ids, callback, steps, stop, cached,
-            sizer, **sampling)
-    steps = build_steps(args.compile, args.compile_prefill)
+SPECULATE = ("draft", "tree", "staged", "lookup", "suffix", "lookahead")  # staged: a tree, with a trie's guesses
+
+
+def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[str] = None, draft=None,
+              speculate_k: int = 4, ngram: Optional[int] = 3, adaptive: bool = True, max_nodes: int = 32,
+              guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None, **sampling) -> Callable:
+    """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0) -> Generation.
+    speculate: None (plain decoding, any batch), or a batch-1 proposer: "draft" (a chain from the draft model,
+    its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft model), "lookup"
+    (prompt lookup over ngram tokens), "suffix" or "lookahead" (token trees without a draft model). The loop keeps
+    its proposer and measured costs from call to call (a chat's turns); under tensor parallelism (parallel) the
+    draft is replicated on every rank."""
+    if speculate is not None and speculate not in SPECULATE:
+        raise ValueError(f"unknown speculate {speculate!r}; use one of {', '.join(SPECULATE)}")
+    if (speculate in ("draft", "tree", "staged")) != (draft is not None):
+        raise ValueError(f"speculate={speculate!r} needs a draft model" if draft is None else
+                         f"a draft model is used only with speculate='draft', 'tree' or 'staged'")
+    as_tree = speculate in ("tree", "staged", "suffix", "lookahead")
+    if as_tree and guide is not None:
+        raise ValueError("token trees do not support guided generation; use speculate='draft' or 'lookup'")
+    if as_tree and parallel:  # each rank would choose the tree's size from its own timings
+        raise ValueError("token trees are not supported with tensor parallelism")
+    if speculate is None:
+        return generate.plain_loop(model, max_new_tokens=max_new_tokens, guide=guide, steps=steps, **sampling)
+
+    def batch_of_one(prompts: list[list[int]]) -> list[int]:
+        if len(prompts) != 1:
+            raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
+        return prompts[0]
+    if as_tree:  # one proposer and one set of measured costs for every call
+        sizer = trees.Sizer()
+        proposer = trees.DraftTree(draft, steps.draft_tree, staged=trees.Suffix() if speculate == "staged" else None) \
+            if draft is not None else trees.Suffix() if speculate == "suffix" else trees.Lookahead()
+        return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: trees.tree_generate(
+            model, batch_of_one(prompts), max_new_tokens, proposer, max_nodes, eos_ids=eos_ids, callback=callback,
+            steps=steps, stop=stop, cached=cached, sizer=sizer, **sampling)
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
-    return lambda eos_ids, callback, stop=None, cached=0, prompts=prompts: speculative_generate(
-        model, prompts[0], args.max_new_tokens, args.speculate_k, draft, args.prompt_lookup, not args.fixed_k,
-        eos_ids, callback, steps, agree, stop, cached, guide, **sampling)
+    return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: speculative_generate(
+        model, batch_of_one(prompts), max_new_tokens, speculate_k, draft=draft,
+        ngram=ngram if speculate == "lookup" else None, adaptive=adaptive, eos_ids=eos_ids, callback=callback,
+        steps=steps, agree=agree, stop=stop, cached=cached, guide=guide, **sampling)
+
+
+def speculate_of(args) -> Optional[str]:
+    """The proposer the command line's flags ask for (see make_loop)."""
+    if args.draft_checkpoint_path:
+        return "staged" if args.staged else "tree" if args.tree else "draft"
+    return "lookup" if args.prompt_lookup else "suffix" if args.suffix else "lookahead" if args.lookahead else None
 
 
 def parser():
-    p = generate.parser()
-    p.description = cli.summary(__doc__)
+    p = cli.generate_parser(__doc__)
     p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer "
                    "proposes up to --speculate_k tokens, the target verifies them in one pass")
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="no draft model: propose the tokens that "
@@ -317,7 +307,7 @@ def parser():
 
 def parse_args(argv=None):
     p = parser()
-    args = generate.parse_args(argv, p)
+    args = cli.parse_generate_args(argv, p)
     checks = [(not (args.draft_checkpoint_path and args.prompt_lookup), "use --draft_checkpoint_path or "
                "--prompt_lookup, not both"),
               (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
@@ -339,8 +329,19 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None, parallel=None):
-    generate.run(parse_args(argv), speculative_loop, parallel)
+def main(argv=None):
+    run_parsed(parse_args(argv))
+
+
+def run_parsed(args, parallel=None):
+    """generate.run for the parsed options, with their proposer (tp.py passes its ranks in parallel)."""
+    def loop(model, **options):  # the draft, loaded after the target, on its device and in its dtype
+        draft = load_draft(args.draft_checkpoint_path, checkpoint_files(args.checkpoint_path)[0], model,
+                           model.norm.weight.device, model.norm.weight.dtype, args.cpu_kernels) \
+            if args.draft_checkpoint_path else None
+        return make_loop(model, speculate=speculate_of(args), draft=draft, speculate_k=args.speculate_k,
+                         ngram=args.prompt_lookup, adaptive=not args.fixed_k, max_nodes=args.max_nodes, **options)
+    generate.run(**cli.run_options(args), make_loop=loop, speculate_k=args.speculate_k, parallel=parallel)
 
 
 if __name__ == "__main__":

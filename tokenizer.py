@@ -170,7 +170,7 @@ class Tokenizer:
         sandboxed, with the same options and helpers."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (no chat_template.jinja or tokenizer_config.json "
-                             "chat_template beside its tokenizer); it is not a chat model, so drop --chat")
+                             "chat_template beside its tokenizer); it is not a chat model")
         return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
 
 

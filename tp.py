@@ -11,23 +11,29 @@ The split is done on the checkpoint's tensors before they reach the device, so a
 model; the local model is built from `local_args`, whose head counts and feed-forward width are 1/W of the full
 ones, so its attention, shapes and KV cache (n_kv_head / W heads) need no special case.
 
+    python tp.py --ranks 2 [generate.py's and speculative.py's flags]    (checks the split, then runs torchrun:)
     torchrun --standalone --nproc_per_node=2 tp.py [generate.py's and speculative.py's flags]"""
-import dataclasses
 import os
+import signal
 import sys
-from datetime import timedelta
-from typing import Callable, Optional
 
-import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn as nn
-from torch import Tensor
+if __name__ == "__main__":  # Ctrl-C while torch still imports: one line and status 130, as cli.run_main says later
+    signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted", file=sys.stderr), os._exit(130)))
 
-import checkpoint
-import cli
-import generate
-import speculative
+import dataclasses  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from typing import Callable, Optional  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+import checkpoint  # noqa: E402
+import cli  # noqa: E402
+import generate  # noqa: E402
+import speculative  # noqa: E402
 
 # a dead rank leaves the others blocked in a collective; this bounds the wait (torchrun also stops them at once)
 TIMEOUT = timedelta(seconds=120)
@@ -55,7 +61,7 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
 
 def finish():
     """Leave together, and without tearing gloo down: a rank whose peer closed its connections first could abort
-    in the teardown ("terminate called without an active exception", about one two-rank run in 15), after all
+    in the teardown ("terminate called without an active exception"), after all
     its work was done. The barrier ensures every rank has finished; the process then ends at once."""
     dist.barrier()
     sys.stdout.flush()
@@ -67,11 +73,11 @@ def local_args(args, world: int, groupsize: Optional[int] = None):
     """The shapes one of `world` ranks holds; raises, on every rank alike, when the model does not split evenly."""
     for name in ("n_head", "n_kv_head", "intermediate_size"):
         if getattr(args, name) % world:
-            raise ValueError(f"{name} {getattr(args, name)} is not divisible by the world size {world}")
+            raise Refused(f"{name} {getattr(args, name)} is not divisible by the world size {world}")
     if groupsize:  # a row-parallel shard must hold whole int4 groups
         for name, k in (("n_head * head_dim", args.n_head * args.head_dim), ("intermediate_size", args.intermediate_size)):
             if (k // world) % groupsize:
-                raise ValueError(f"{name} / world size = {k // world} is not a multiple of the int4 group size "
+                raise Refused(f"{name} / world size = {k // world} is not a multiple of the int4 group size "
                                  f"{groupsize}; quantize with a smaller --groupsize")
     return dataclasses.replace(args, n_head=args.n_head // world, n_kv_head=args.n_kv_head // world,
                                intermediate_size=args.intermediate_size // world)
@@ -162,13 +168,21 @@ def main(argv=None):
     rank, world, device = init_distributed(generate.resolve_device(args.device))
     load = lambda path, device, dtype, kernels: load_sharded(path, rank, world, device, dtype, kernels)  # noqa: E731
     sums = lambda values, mean=False: world_sum(values, device, mean)  # noqa: E731
-    generate.run(args, speculative.speculative_loop, Parallel(rank, world, device, load, sums, world_gather))
+    speculative.run_parsed(args, Parallel(rank, world, device, load, sums, world_gather))
     finish()
+
+
+class Refused(ValueError):
+    """Bad input that every rank finds alike (its options, the model's split): rank 0 alone says so."""
 
 
 def main_of_rank(argv=None):
     try:
         main(argv)
+    except ValueError as e:
+        if int(os.environ.get("RANK", 0)) > 0 and isinstance(e, Refused):
+            os._exit(cli.BAD_INPUT)
+        raise
     except RuntimeError as e:  # a collective fails when another rank dies or stops answering
         if not dist.is_initialized():
             raise
@@ -180,5 +194,23 @@ def main_of_rank(argv=None):
         os._exit(cli.BAD_INPUT)
 
 
+def launch(argv=None):
+    """python tp.py --ranks N [flags]: the checks every rank would make alike, made once here, where a refusal is
+    one line (under torchrun it would come with torchrun's report of the failed ranks), then torchrun."""
+    argv = sys.argv[1:] if argv is None else argv
+    at = argv.index("--ranks")
+    ranks, rest = cli.positive_int(argv[at + 1]) if at + 1 < len(argv) else 0, argv[:at] + argv[at + 2:]
+    if not ranks:
+        raise ValueError("--ranks needs a number of processes")
+    args = speculative.parser().parse_args(rest)  # the options alone: a prompt on standard input stays unread
+    ckpt_dir, weights = checkpoint.checkpoint_files(args.checkpoint_path)
+    quantization = checkpoint.read_quantization(weights)
+    local_args(checkpoint.read_config(ckpt_dir), ranks, quantization[1] if quantization and quantization[0] == "int4"
+               else None)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              f"--nproc_per_node={ranks}", __file__, *rest])
+
+
 if __name__ == "__main__":
-    cli.run_main(main_of_rank)
+    cli.run_main(launch if "--ranks" in sys.argv and "LOCAL_RANK" not in os.environ else main_of_rank)

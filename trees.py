@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 import generate
-from generate import Generation, compile_prefill, compile_step, device_sync, peak_memory_gb, prefill, probs_of
+from generate import Generation, Steps, device_sync, draft_probs, peak_memory_gb, tree_probs  # noqa: F401
 from model import kv_bucket
 
 
@@ -98,17 +98,6 @@ def tree_inputs(tree: Tree, base: int, rows: range, kv_len: int, window: int, de
         key[base : base + n] = base + depth
         mask &= key > pos[:, None] - window
     return mask.to(device), pos.to(device)
-
-
-def tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # tokens [1, S] -> probs [S, V]
-    """The distributions after each node; a row whose logits are not finite (a damaged model) comes out NaN."""
-    logits = model(tokens, input_pos, None, kv_len, mask=tree_mask, pos=tree_pos)[0]
-    return torch.where(torch.isfinite(logits.sum(-1, keepdim=True)), probs_of(logits, **sampling), float("nan"))
-
-
-def draft_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # [1, S] -> [S, V]
-    """tree_probs for the draft model: a function of its own, so that compiled it keeps its own graphs."""
-    return tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling)
 
 
 def forward_nodes(model, step: Callable, tree: Tree, base: int, rows: range, slots: Tensor, **sampling) -> Tensor:
@@ -451,21 +440,8 @@ class Sizer:
         self.round_tokens, self.round_s = ema(self.round_tokens, kept + 1), ema(self.round_s, round_s)
 
 
-@dataclass(frozen=True)
-class Steps:
-    """The steps the tree loop calls, compiled or not (see generate.Steps)."""
-    prefill: Callable = prefill
-    tree: Callable = tree_probs
-    draft: Callable = draft_probs  # DraftTree's passes
-
-
-def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
-    step = compile_step if compile else (lambda f: f)
-    return Steps(compile_prefill(prefill) if compile_prefill_too else prefill, step(tree_probs), step(draft_probs))
-
-
 @torch.inference_mode()  # as generate: the compiled steps are shared
-def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32,
+def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32, *,
                   eos_ids=None, callback: Optional[Callable] = None, steps: Steps = Steps(),
                   stop: Optional[Callable] = None, cached: int = 0, sizer: Optional[Sizer] = None,
                   **sampling) -> Generation:

@@ -84,8 +84,7 @@ def chat_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
                                        f"```python\n{w}\n```") for w in windows]}
 
 
-def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_steps,
-                tree_steps) -> tuple[float, dict]:
+def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps) -> tuple[float, dict]:
     """Greedy decode tokens/sec after the first token (prefill is the same for every row), and the statistics."""
     if kwargs is None:
         r = gen.generate(model, [prompt], new_tokens, None, steps=steps, temperature=0)
@@ -93,28 +92,28 @@ def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps, spec_s
     kw = dict(kwargs)
     if "tree" in kw:  # a fresh proposer per run: a repeat must not find its own earlier output
         staged = trees.Suffix() if kw["tree"] == "staged" else None
-        proposer = trees.DraftTree(kw["draft"], tree_steps.draft, staged=staged) if "draft" in kw else \
+        proposer = trees.DraftTree(kw["draft"], steps.draft_tree, staged=staged) if "draft" in kw else \
             trees.Suffix() if kw["tree"] == "suffix" else trees.Lookahead()
-        r = trees.tree_generate(model, prompt, new_tokens, proposer, kw["k"], steps=tree_steps, sizer=kw["sizer"],
+        r = trees.tree_generate(model, prompt, new_tokens, proposer, kw["k"], steps=steps, sizer=kw["sizer"],
                                 temperature=0)
     else:
-        r = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), steps=spec_steps,
+        r = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), steps=steps,
                                              temperature=0, **kw)
     return r.decode_tokens / r.decode_s, r.metrics(0)
 
 
 @torch.inference_mode()  # as the loops run (with autograd on, the CPU kernels step aside for torch's)
-def step_costs(model, draft, pos: int, k_max: int, device, steps, spec_steps) -> dict:
+def step_costs(model, draft, pos: int, k_max: int, device, steps) -> dict:
     """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
     cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)
     n = kv_bucket(pos + k_max + 1, model.max_seq_length)  # every pass reads the same cache length
     costs = {"target_step": seconds(lambda: steps.decode(model, cur, slot, None, n, temperature=0), 50, device)}
     if draft is not None:
-        costs["draft_step"] = seconds(lambda: spec_steps.draft(draft, cur, slot, n, temperature=0), 50, device)
+        costs["draft_step"] = seconds(lambda: steps.draft(draft, cur, slot, n, temperature=0), 50, device)
     for s in range(2, max(k_max, *KS) + 2):
         tokens = torch.zeros(1, s, dtype=torch.long, device=device)
         slots = torch.arange(pos, pos + s, device=device)
-        costs[f"verify_{s}"] = seconds(lambda: spec_steps.verify(model, tokens, slots, n, temperature=0), 30, device)
+        costs[f"verify_{s}"] = seconds(lambda: steps.verify(model, tokens, slots, n, temperature=0), 30, device)
     return costs
 
 
@@ -167,8 +166,7 @@ def main():
     draft = load_model(draft_path, device, dtype) if draft_path else None
     sets = (chat_sets if tokenizer.chat_template else prompt_sets)(tokenizer, args.prompts, args.prompt_tokens)
     rows = configs(draft, args.k_max, args.ngram, tuple(args.nodes))
-    steps, spec_steps = gen.build_steps(args.compile), speculative.build_steps(args.compile)
-    tree_steps = trees.build_steps(args.compile)
+    steps = gen.build_steps(args.compile)
     longest = max(len(p) for ps in sets.values() for p in ps)
     room = trees.DraftTree(draft, staged=trees.Suffix()).room  # a staged draft tree's cache slots past the root
     length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, room)
@@ -176,7 +174,7 @@ def main():
         m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
     t0 = time.perf_counter()
     for kwargs in rows.values():  # warm-up, and compilation
-        decode_rate(model, next(iter(sets.values()))[0], 16, kwargs, steps, spec_steps, tree_steps)
+        decode_rate(model, next(iter(sets.values()))[0], 16, kwargs, steps)
     compile_s = time.perf_counter() - t0
     # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
     rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
@@ -185,10 +183,10 @@ def main():
         for s, ps in sets.items():
             for i, prompt in enumerate(ps):
                 for label, kwargs in rows.items():
-                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs, steps, spec_steps, tree_steps)
+                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs, steps)
                     rates[s][label][i].append(rate)
                     stats[s][label].append(st)
-    costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device, steps, spec_steps)
+    costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device, steps)
     results = {"checkpoint": str(args.checkpoint_path), "draft": str(draft_path) if draft_path else None,
                "machine": machine(device), "dtype": args.dtype, "compile": args.compile, "compile_s": compile_s,
                "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,

@@ -1,8 +1,8 @@
 """command(script, *args): the project's commands run as `python script args` would, without Python's and torch's
 start-up each time.
 
-A command started from nothing spends 4-5 s of a 2-core machine importing torch and the project before it reads its
-arguments, and the tests run a few hundred. So the first command starts this file as a server, which imports all
+A command started from nothing spends seconds importing torch and the project before it reads its arguments, and
+the tests run a few hundred. So the first command starts this file as a server, which imports all
 that once, then forks a child per command: the child runs the script as __main__ with the command's argv, working
 folder and standard streams, and exits as the interpreter would, with the status of SystemExit, or 1 and the
 traceback on stderr. Requests go one JSON line at a time to the server's stdin ({"argv", "cwd", "stdin", "stdout",

@@ -1,6 +1,6 @@
 """Every bad input ends in one line on stderr and exit status 2, before any long work, and no input file changes.
 One row per kind of bad input: the row builds the input in a temporary folder, runs the command as a user would
-(forked by tests/launcher.py from a process that has imported torch: 4-5 s of start-up less a row), and the test
+(forked by tests/launcher.py from a process that has imported torch: seconds of start-up less a row), and the test
 checks the status, the one line (it must name the problem), the absence of a traceback, and the hash of every file
 the command could have touched."""
 import hashlib
@@ -161,6 +161,9 @@ ROWS = {
     "temperature_inf": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--temperature", "inf", *N], "--temperature"),
     "temperature_nan": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--temperature", "nan", *N], "--temperature"),
     "threads_zero": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--threads", 0, *N], "--threads"),
+    "seed_beyond_64_bits": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--seed", 2**70, *N], "--seed"),
+    "threads_beyond_any_machine": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--threads", 2**40, *N], "--threads"),
+    "unknown_flag": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--max_tokens", 4], "--max_new_tokens"),
     "lone_surrogate_prompt": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt", b"caf\xe9", *N], "UTF-8"),
     "empty_prompt_on_stdin": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt", "-", *N], "empty"),
     "missing_prompt_file": (GEN, lambda t, c, s: ["--checkpoint_path", c, "--prompt_file", t / "none.txt", *N],

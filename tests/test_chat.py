@@ -1,5 +1,6 @@
 """chat.py: a conversation on standard input, one reply per line, with the KV cache kept between turns."""
 import json
+from pathlib import Path
 
 from checkpoint import load_tokenizer, read_config
 from conftest import errors_of
@@ -85,4 +86,15 @@ def test_a_bad_line_in_a_script_is_one_error_and_status_2(chat_checkpoint, tmp_p
 
 def test_a_model_without_chat_template_is_refused(checkpoint):
     r, _ = chat(checkpoint, ["hello"])
-    assert r.returncode == 2 and len(errors_of(r.stderr)) == 1 and "no chat template" in r.stderr
+    [line] = errors_of(r.stderr)
+    assert r.returncode == 2 and "no chat template" in line and "generate.py" in line and "--chat" not in line
+
+
+def test_standard_input_closed_is_one_line(chat_checkpoint):
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "chat.py", "--checkpoint_path", chat_checkpoint], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent, preexec_fn=lambda: os.close(0))
+    assert r.returncode == 2 and errors_of(r.stderr) == ["error: standard input is closed: chat.py reads the messages "
+                                                         "from it"]

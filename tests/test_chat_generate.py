@@ -4,7 +4,7 @@ import torch
 
 import generate
 from checkpoint import load_model, load_tokenizer, read_config
-from generate import cut_text, encode_prompt, stop_strings
+from cli import cut_text, encode_prompt, stop_strings
 
 
 def greedy(model, prompt, n=24, **kw):

@@ -20,7 +20,7 @@ def run_cli(*args, timeout=300):
 # one schema for plain and speculative decoding; speculation's figures are null without it
 METRICS = {"ttft_ms", "decode_tokens_per_sec", "tokens_per_sec", "prefill_tokens_per_sec", "bandwidth_gb_s",
            "peak_memory_gb", "compile_s", "total_s", "samples", "target_forwards", "mean_accepted", "mean_drafted",
-           "acceptance_rate", "accept_histogram", "forced_tokens", "tree_sizes"}
+           "acceptance_rate", "accept_histogram", "forced_tokens", "tree_sizes", "incomplete"}
 
 
 def metrics_of(checkpoint, tmp_path, *args):
@@ -269,3 +269,82 @@ def test_torchs_guess_of_a_cuda_home_prints_nothing_once_the_kernels_module_is_i
                            text=True, timeout=120) for first in ("", "import cpu_gemv; ")]
     assert "No CUDA runtime is found" in runs[0].stderr  # what the warning looks like, where nothing stops it
     assert runs[1].returncode == 0 and runs[1].stderr == ""
+
+
+def test_ctrl_c_while_torch_is_still_importing_is_one_line_and_status_130():
+    import os
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=default_sigint)
+    time.sleep(0.5)  # Python is up; importing torch takes seconds
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and errors_of(err) == ["interrupted"]
+
+
+def test_an_unknown_flag_gets_the_closest_known_one(capsys):
+    import cli
+    import generate
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(generate.main, ["--max_tokens", "5"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["error: unrecognized arguments: --max_tokens 5; did you mean "
+                                                    "--max_new_tokens?"]
+
+
+def busy(n):
+    """n processes spinning on the CPU, for the length of the with block."""
+    import contextlib
+    import time
+
+    @contextlib.contextmanager
+    def spinning():
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        try:
+            time.sleep(0.5)
+            yield
+        finally:
+            for p in spin:
+                p.kill()
+    return spinning()
+
+
+def test_the_default_thread_count_leaves_the_busy_cores_and_says_so(capfd):
+    import os
+    import cli
+    cores = len(os.sched_getaffinity(0))
+    with busy(cores):
+        chosen = cli.set_threads(None)
+    err = capfd.readouterr().err
+    assert chosen < cli.physical_cores() or cli.physical_cores() == 1
+    assert f"decoding uses {chosen} thread(s)" in err and len(err.splitlines()) == 1
+
+
+def test_threads_asked_for_get_no_advice_to_use_the_same_number(capfd):
+    import os
+    import cli
+    with busy(len(os.sched_getaffinity(0))):
+        cli.set_threads(1)
+    err = capfd.readouterr().err
+    assert "--threads 1" not in err and len(err.splitlines()) <= 1
+
+
+def test_guided_output_cut_by_max_new_tokens_says_incomplete_in_the_output_and_the_metrics(checkpoint, tmp_path):
+    result, metrics = metrics_of(checkpoint, tmp_path, "--regex", "[a-z]{40}", "--max_new_tokens", 4,
+                                 "--temperature", 0)
+    assert "is incomplete" in result.stderr and "(incomplete)" in result.stdout
+    assert metrics["incomplete"] is True and metrics["samples"][0]["finish_reason"] == "incomplete"
+
+
+def test_a_finished_row_repeating_eos_streams_no_end_of_turn_token(chat_checkpoint, capsys):
+    from checkpoint import load_tokenizer, read_config
+    import cli
+    tok = load_tokenizer(chat_checkpoint, read_config(chat_checkpoint))
+    end = tok.token_id("<|im_end|>")
+    assert end in tok.eos_ids
+    prompt, reply = tok.encode("hi", bos=False), tok.encode(" there", bos=False)
+    stream = cli.make_streamer(tok, prompt, tok.eos_ids)
+    for n in range(1, len(reply) + 9):  # the reply, then EOS 8 times, as a batch's finished row repeats it
+        stream((reply + [end] * 8)[:n])
+    assert capsys.readouterr().out == tok.decode(prompt + reply)[len(tok.decode(prompt)):]

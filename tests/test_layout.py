@@ -39,7 +39,8 @@ def test_model_py_imports_only_torch_and_the_standard_library():
 def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_points():
     assert GRAPH["quantize"] <= {"model"} and GRAPH["cpu_gemv"] <= {"model"} and GRAPH["cuda_gemv"] <= {"model"}
     assert GRAPH["cpu_step"] <= {"model", "cpu_gemv"}
-    assert GRAPH["tokenizer"] == GRAPH["cli"] == GRAPH["guided"] == set()
+    assert GRAPH["tokenizer"] == set() and GRAPH["guided"] <= {"model"}
+    assert GRAPH["cli"] <= {"guided", "cpu_gemv", "cuda_gemv"}  # the guided options and the kernels' one-line description
     assert GRAPH["checkpoint"] <= {"model", "quantize", "cpu_gemv", "cuda_gemv", "tokenizer", "cli"}
     assert GRAPH["generate"] <= {"model", "checkpoint", "tokenizer", "cpu_gemv", "cpu_step", "cuda_gemv", "cli",
                                  "guided"}
@@ -47,3 +48,4 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
         assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval", "trees"} - {entry}
     assert {"generate", "trees"} <= GRAPH["speculative"] and not GRAPH["speculative"] & {"tp", "eval"}
     assert {"speculative", "generate", "checkpoint"} <= GRAPH["tp"]
+    assert {"speculative", "generate", "guided"} <= GRAPH["llm"] and not GRAPH["llm"] & {"tp", "chat", "eval"}

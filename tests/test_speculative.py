@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+import generate as gen
 import speculative
 from conftest import convert, errors_of, save_hf_llama
 from checkpoint import load_model
@@ -129,7 +130,7 @@ def test_sampled_speculation_has_the_target_distribution(sampling):
 def test_compiled_speculation_does_not_recompile_between_steps(pair, adaptive):
     from torch._dynamo.utils import counters
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
-    steps = speculative.Steps(draft=torch.compile(speculative.draft_step, fullgraph=True),
+    steps = gen.Steps(draft=torch.compile(speculative.draft_step, fullgraph=True),
                               verify=torch.compile(speculative.verify, fullgraph=True, dynamic=True))
     torch._dynamo.reset()
     counters.clear()  # other tests compile too

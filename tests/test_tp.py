@@ -128,10 +128,26 @@ def test_cli_speculative_decoding_with_a_replicated_draft(ckpt, tmp_path, sp_mod
     assert json.loads(out.read_text())["samples"][0]["tokens"] == single_greedy(ckpt, 16)
 
 
-def test_cli_every_rank_reports_a_world_size_that_does_not_divide_the_heads(ckpt):
+def test_cli_under_torchrun_a_world_size_that_does_not_divide_the_heads_is_said_once(ckpt):
     result = torchrun(3, "tp.py", "--checkpoint_path", ckpt, "--device", "cpu", timeout=120)
     assert result.returncode != 0
-    assert result.stderr.count("error: n_head 4 is not divisible by the world size 3") == 3
+    assert result.stderr.count("error: n_head 4 is not divisible by the world size 3") == 1  # rank 0's
+
+
+def test_cli_launched_with_ranks_refuses_a_split_before_starting_them_in_one_line(ckpt):
+    result = subprocess.run([sys.executable, "tp.py", "--ranks", "3", "--checkpoint_path", str(ckpt), "--device",
+                             "cpu"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2
+    assert errors_of(result.stderr) == ["error: n_head 4 is not divisible by the world size 3"]
+
+
+def test_cli_launched_with_ranks_runs_them_under_torchrun(ckpt, tmp_path):
+    out = tmp_path / "m.json"
+    result = subprocess.run([sys.executable, "tp.py", "--ranks", "2", "--checkpoint_path", str(ckpt), "--device",
+                             "cpu", "--temperature", "0", "--max_new_tokens", "16", "--metrics_json", str(out)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text())["samples"][0]["tokens"] == single_greedy(ckpt, 16)
 
 
 def test_when_a_rank_dies_the_other_exits_with_one_line(ckpt):

@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+import generate as gen
 import trees
 from checkpoint import load_model
 from conftest import convert, save_hf_llama
@@ -133,7 +134,7 @@ def test_greedy_suffix_decoding_is_identical_to_plain_greedy(pair):  # compiled:
 def test_greedy_lookahead_decoding_is_identical_to_plain_greedy(pair, compiled):
     target = load_model(pair[0], "cpu", torch.float32)
     prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21]
-    out = tree_generate(target, prompt, 40, trees.Lookahead(), 16, steps=trees.build_steps(compile=compiled),
+    out = tree_generate(target, prompt, 40, trees.Lookahead(), 16, steps=gen.build_steps(compile=compiled),
                         temperature=0)
     assert out.rows[0] == greedy(target, prompt, 40)
 
@@ -161,9 +162,9 @@ def test_lookahead_takes_the_targets_answers_as_its_next_guesses_and_pools_their
 @pytest.mark.parametrize("compiled, staged", [(False, False), (False, True), (True, True)])
 def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled, staged):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
-    steps = trees.build_steps(compile=compiled)
+    steps = gen.build_steps(compile=compiled)
     prompt = [1, 17, 42, 99, 7, 17, 42, 99]
-    proposer = DraftTree(draft, steps.draft, staged=Suffix() if staged else None)
+    proposer = DraftTree(draft, steps.draft_tree, staged=Suffix() if staged else None)
     out = tree_generate(target, prompt, 40, proposer, 16, steps=steps, temperature=0)
     assert out.rows[0] == greedy(target, prompt, 40)
     assert sum(out.accept_histogram) == out.forwards and sum(out.tree_sizes.values()) == out.forwards
@@ -284,7 +285,7 @@ def test_sizer_picks_a_big_tree_when_verifying_is_cheap_and_a_small_one_when_not
 def test_compiled_tree_verification_does_not_recompile_between_rounds(pair):
     from torch._dynamo.utils import counters
     target = load_model(pair[0], "cpu", torch.float32)
-    steps = trees.Steps(tree=torch.compile(tree_probs, fullgraph=True, dynamic=True))
+    steps = gen.Steps(tree=torch.compile(tree_probs, fullgraph=True, dynamic=True))
     prompt = [1, 20, 21, 22, 20, 21, 22, 20]
     torch._dynamo.reset()
     counters.clear()

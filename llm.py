@@ -1,0 +1,151 @@
+"""The Python API: load a checkpoint, its tokenizer and optionally a draft model once, then generate with keyword
+arguments: plain, speculative (a draft model, prompt lookup, token trees), guided (JSON, a schema, a regex, a Lark
+grammar) and chat-templated, getting the text, the tokens and the figures back.
+
+    from llm import LLM
+    llm = LLM("checkpoints/stdlib-target", draft="checkpoints/stdlib-draft")
+    out = llm.generate("def fibonacci(n):", max_new_tokens=40, temperature=0, speculate="draft")
+    print(out.text, out.metrics["decode_tokens_per_sec"])
+
+A thin layer over generate.py, speculative.py, trees.py and guided.py, which the command-line tools use too."""
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+
+import cli
+import generate as gen
+import guided
+import speculative
+from checkpoint import checkpoint_files, load_model, load_tokenizer, plan
+
+
+@dataclass
+class Completion:
+    text: str  # the new text only, cut before a stop string
+    tokens: list[int]  # the new tokens, without the end-of-sequence one
+    metrics: dict  # the figures generate.py --metrics_json writes: ttft_ms, decode_tokens_per_sec, ...
+    finish_reason: str  # "stop" (EOS, a stop string, a complete grammar), "length" or "incomplete" (see below)
+
+
+DRAFTED = ("draft", "tree", "staged")  # the proposers that need a draft model
+
+
+class LLM:
+    """A loaded checkpoint (model, tokenizer) and its draft model (draft, or None). device: "auto", "cpu", "cuda",
+    "cuda:N" or "mps"; dtype: "bfloat16", "float16" or "float32"; compile: compile the steps (the first call
+    compiles); cpu_kernels: "auto" or "off"; kv_cache_dtype: None (the model's) or "int8"; max_seq_length: the
+    KV cache's length (default: the model's, at most 2048); threads: CPU threads (default: the free cores)."""
+
+    def __init__(self, checkpoint: Union[str, Path], *, draft: Union[str, Path, None] = None,
+                 device: str = "auto", dtype: str = "bfloat16", compile: bool = False, cpu_kernels: str = "auto",
+                 kv_cache_dtype: Optional[str] = None, max_seq_length: Optional[int] = None,
+                 threads: Optional[int] = None):
+        choose("dtype", dtype, gen.DTYPES)
+        choose("cpu_kernels", cpu_kernels, ("auto", "off"))
+        choose("kv_cache_dtype", kv_cache_dtype, (None, "int8"))
+        self.device, dt = gen.resolve_device(device), gen.DTYPES[dtype]
+        config = plan(checkpoint, self.device, dt)
+        length = max_seq_length or min(config.block_size, 2048)
+        require(whole(length) and 1 < length <= config.block_size,
+                f"max_seq_length must be in 2..{config.block_size} (the model's block_size), got {length}")
+        require(threads is None or whole(threads) and threads >= 1, f"threads must be at least 1, got {threads}")
+        plan(checkpoint, self.device, dt, 1, length, min(length, 2048), kv_int8=bool(kv_cache_dtype))
+        self.tokenizer = load_tokenizer(checkpoint, config)
+        if self.device.type == "cpu":
+            cli.set_threads(threads)
+        self.model = load_model(checkpoint, self.device, dt, cpu_kernels)
+        self.kv_dtype, self.length = gen.KV_DTYPES.get(kv_cache_dtype or "auto"), length
+        self.model.setup_caches(1, length, self.kv_dtype)
+        self.draft = None if draft is None else speculative.load_draft(
+            draft, checkpoint_files(checkpoint)[0], self.model, self.device, dt, cpu_kernels)
+        self.steps = gen.build_steps(compile)
+        self.weight_bytes = gen.weight_bytes(self.model)
+
+    def generate(self, prompt: Union[str, list[str]], **options) -> Union[Completion, list[Completion]]:
+        """The continuation of prompt (a str: one Completion), or of each prompt of a list (a batch: a list of
+        Completions). Keywords: max_new_tokens=200, temperature=0.8 (0: greedy), top_k=200, top_p=1.0, seed,
+        stop (a list of strings), ignore_eos; speculate (None, "draft", "tree", "staged", "lookup", "suffix",
+        "lookahead"), speculate_k=4, ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text),
+        regex, grammar (Lark text); chat (the prompt as a user turn in the chat template), system; callback(text),
+        called with the first row's new text after every step."""
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        require(isinstance(prompts, list) and prompts and all(isinstance(p, str) and p for p in prompts),
+                "prompt must be a non-empty string or a non-empty list of them")
+        chat, system = options.pop("chat", False), options.pop("system", None)
+        require(system is None or chat, "system needs chat=True")
+        if chat:
+            self.check_template()
+        out = self.complete([cli.encode_prompt(self.tokenizer, p, chat, system) for p in prompts], **options)
+        return out[0] if isinstance(prompt, str) else out
+
+    def chat(self, messages: list[dict], **options) -> Completion:
+        """The assistant's reply to messages ([{"role": "user", "content": "..."}, ...]) through the model's chat
+        template; keywords as generate's."""
+        require(isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages), "messages must be a non-empty list of {'role': str, 'content': str} dicts")
+        self.check_template()
+        text = self.tokenizer.apply_chat_template(messages)
+        return self.complete([self.tokenizer.encode(text, bos=False, specials=True)], **options)[0]
+
+    def check_template(self):
+        require(self.tokenizer.chat_template is not None, "this model has no chat template (no chat_template.jinja "
+                "or tokenizer_config.json chat_template beside its tokenizer): it is not a chat model")
+
+    def complete(self, prompts: list[list[int]], *, max_new_tokens: int = 200, temperature: float = 0.8,
+                 top_k: Optional[int] = 200, top_p: float = 1.0, seed: Optional[int] = None,
+                 stop: Optional[list[str]] = None, ignore_eos: bool = False, speculate: Optional[str] = None,
+                 speculate_k: int = 4, ngram: int = 3, max_nodes: int = 32, fixed_k: bool = False,
+                 json: bool = False, json_schema=None, regex: Optional[str] = None, grammar: Optional[str] = None,
+                 callback: Optional[Callable[[str], None]] = None) -> list[Completion]:
+        """generate's work on token-id prompts."""
+        for name, value, lo in (("max_new_tokens", max_new_tokens, 1), ("speculate_k", speculate_k, 1),
+                                ("ngram", ngram, 1), ("max_nodes", max_nodes, 1), ("top_k", top_k or 1, 1)):
+            require(whole(value) and value >= lo, f"{name} must be a whole number of at least {lo}, got {value!r}")
+        require(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0,
+                f"temperature must be a finite number >= 0, got {temperature!r}")
+        require(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+        require(seed is None or whole(seed) and 0 <= seed < 2**64, f"seed must be a whole number in [0, 2**64), "
+                f"got {seed!r}")
+        require(stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+                "stop must be a list of non-empty strings")
+        choose("speculate", speculate, (None,) + speculative.SPECULATE)
+        grammars = guided.grammars(json=json, json_schema=json_schema, regex=regex, grammar=grammar)
+        require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
+        guide = guided.make_guide(self.tokenizer, grammars, len(prompts), self.model.args.vocab_size,
+                                  speculate_k if speculate else 0)
+        extra = {None: 0, "draft": speculate_k + 1, "lookup": speculate_k + 1}.get(speculate, max_nodes)
+        extra = max(extra, getattr(self.draft, "room", 0))
+        need = min(max(map(len, prompts)) + max_new_tokens + extra, self.model.args.block_size)
+        if self.model.max_batch_size < len(prompts) or self.model.max_seq_length < need:
+            self.model.setup_caches(len(prompts), max(need, self.length), self.kv_dtype)
+        loop = speculative.make_loop(
+            self.model, max_new_tokens=max_new_tokens, speculate=speculate,
+            draft=self.draft if speculate in DRAFTED else None, speculate_k=speculate_k, ngram=ngram,
+            adaptive=not fixed_k, max_nodes=max_nodes, guide=guide, steps=self.steps, temperature=temperature,
+            top_k=top_k, top_p=top_p)
+        if seed is not None:
+            torch.manual_seed(seed)
+        eos_ids = None if ignore_eos else self.tokenizer.eos_ids
+        shown = (lambda tokens: callback(cli.new_text(self.tokenizer, prompts[0], gen.cut(tokens, eos_ids, None))))
+        result = loop(prompts, eos_ids, shown if callback else None, cli.stop_strings(self.tokenizer, stop))
+        metrics = result.metrics(self.weight_bytes)
+        return [Completion(cli.new_text(self.tokenizer, p, r, stop), r, metrics,
+                           cli.finish_reason(result, row, max_new_tokens))
+                for row, (p, r) in enumerate(zip(prompts, result.rows))]
+
+
+def whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def require(ok: bool, message: str):
+    if not ok:
+        raise ValueError(message)
+
+
+def choose(name: str, value, allowed):
+    require(value in allowed, f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

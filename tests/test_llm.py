@@ -1,0 +1,134 @@
+"""llm.py, the Python API: LLM loads a checkpoint once, generate and chat take keyword arguments and return
+Completions; on the built-in models, float32 where tokens are compared exactly."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import generate
+from conftest import needs_smollm2
+from llm import LLM, Completion
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET, DRAFT = ROOT / "checkpoints" / "stdlib-target", ROOT / "checkpoints" / "stdlib-draft"
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(TARGET, draft=DRAFT, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    return llm.generate(PROMPT, max_new_tokens=24, temperature=0)
+
+
+def test_plain_greedy_gives_generate_generates_tokens_and_text(llm, plain):
+    ids = llm.tokenizer.encode(PROMPT, bos=True)
+    assert plain.tokens == generate.generate(llm.model, [ids], 24, temperature=0.0).rows[0]
+    assert plain.text == llm.tokenizer.decode(ids + plain.tokens)[len(llm.tokenizer.decode(ids)):]
+    assert plain.finish_reason == "length" and plain.metrics["decode_tokens_per_sec"] > 0
+
+
+@pytest.mark.parametrize("speculate", ["draft", "tree", "staged", "lookup", "suffix", "lookahead"])
+def test_every_speculation_gives_the_plain_greedy_tokens(llm, plain, speculate):
+    fast = llm.generate(PROMPT, max_new_tokens=24, temperature=0, speculate=speculate)
+    assert fast.tokens == plain.tokens
+    assert fast.metrics["target_forwards"] <= plain.metrics["target_forwards"]
+
+
+def test_regex_guided_output_matches_the_pattern(llm):
+    out = llm.generate("settings = ", max_new_tokens=40, temperature=0, regex=r'\{"debug": (true|false)\}')
+    assert re.fullmatch(r'\{"debug": (true|false)\}', out.text) and out.finish_reason == "stop"
+
+
+def test_schema_guided_output_is_json_of_the_schema(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    out = llm.generate("x = ", max_new_tokens=40, temperature=0, json_schema=schema)
+    assert list(json.loads(out.text)) == ["n"]
+
+
+def test_guided_output_cut_by_max_new_tokens_is_incomplete(llm):
+    out = llm.generate("x = ", max_new_tokens=3, temperature=0, json_schema={"type": "object", "properties": {
+        "a_rather_long_name": {"type": "string"}}, "required": ["a_rather_long_name"]})
+    assert out.finish_reason == "incomplete" and out.metrics["incomplete"]
+
+
+def test_a_list_of_prompts_is_a_batch_with_one_completion_each(llm, plain):
+    outs = llm.generate([PROMPT, "import os\n"], max_new_tokens=24, temperature=0)
+    assert isinstance(outs, list) and all(isinstance(o, Completion) for o in outs)
+    assert outs[0].tokens == plain.tokens and len(outs[1].tokens) == 24
+
+
+def test_stop_strings_cut_the_text_and_end_with_reason_stop(llm, plain):
+    needle = plain.text[5:8]
+    out = llm.generate(PROMPT, max_new_tokens=24, temperature=0, stop=[needle])
+    assert out.text == plain.text[: plain.text.find(needle)] and out.finish_reason == "stop"
+
+
+def test_the_callback_sees_the_text_grow(llm, plain):
+    seen = []
+    llm.generate(PROMPT, max_new_tokens=24, temperature=0, callback=seen.append)
+    assert seen[-1] == plain.text and all(plain.text.startswith(s) for s in seen)
+
+
+def test_chat_renders_the_messages_through_the_template(chat_checkpoint):
+    chat = LLM(chat_checkpoint, dtype="float32", device="cpu")
+    messages = [{"role": "user", "content": "hi"}]
+    ids = chat.tokenizer.encode(chat.tokenizer.apply_chat_template(messages), bos=False, specials=True)
+    out = chat.chat(messages, max_new_tokens=8, temperature=0)
+    assert out.tokens == generate.generate(chat.model, [ids], 8, chat.tokenizer.eos_ids, temperature=0.0).rows[0]
+    assert chat.generate("hi", chat=True, max_new_tokens=8, temperature=0).tokens == out.tokens
+
+
+def test_chat_on_a_model_without_a_template_is_refused(llm):
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("options, problem", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(speculate="chain"), "speculate"), (dict(stop="x"), "stop"), (dict(seed=2**70), "seed"),
+    (dict(json=True, regex="a+"), "at most one"), (dict(regex="[a-"), "invalid regex"),
+    (dict(system="be brief"), "system needs chat")])
+def test_a_bad_keyword_is_a_value_error_naming_the_problem(llm, options, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        llm.generate(PROMPT, **options)
+
+
+def test_an_int8_kv_cache_stays_int8_through_a_batch_and_speculation():
+    small = LLM(DRAFT, device="cpu", kv_cache_dtype="int8", max_seq_length=64)
+    small.generate([PROMPT, PROMPT], max_new_tokens=8, temperature=0)
+    small.generate(PROMPT, max_new_tokens=80, temperature=0, speculate="lookup")  # a longer cache than asked for
+    assert small.model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
+
+
+def test_speculating_with_a_draft_needs_one():
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(DRAFT, device="cpu").generate(PROMPT, max_new_tokens=4, speculate="draft")
+
+
+def test_a_bad_load_keyword_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(TARGET, dtype="fp8")
+
+
+def python_example(readme: str) -> str:
+    """The first ```python block after a heading that names Python."""
+    found = re.search(r"^#+ [^\n]*Python[^\n]*\n.*?```python\n(.*?)```", readme, re.S | re.M)
+    assert found, "README.md has no ```python block under a heading that names Python"
+    return found.group(1)
+
+
+@needs_smollm2
+def test_the_readme_python_example_runs(smollm2_imports, monkeypatch, capsys):
+    code = python_example((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert "checkpoints/SmolLM2-135M-Instruct" in code  # the chat model the README names, here the test's import
+    monkeypatch.chdir(ROOT)
+    exec(compile(code.replace("checkpoints/SmolLM2-135M-Instruct", str(smollm2_imports["int4"])), "README.md",
+                 "exec"), {})
+    assert capsys.readouterr().out.strip()
