@@ -5,6 +5,7 @@ speculative.py's command line: their options, the run that loads, times and prin
 import argparse
 import difflib
 import json
+import logging
 import math
 import os
 import resource
@@ -41,6 +42,9 @@ def run_main(main: Callable, *args):
     """Call main(*args) the way every entry point does: bad input is one line and status 2, Ctrl-C is one line
     and status 130; what was printed before either stays."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the entry point's quiet handler covered the imports
+    # a CUDA build of torch without a GPU warns of CUDA_HOME when the kernels or inductor build C++: noise before a
+    # command's output about CUDA code that nothing here builds (a command's choice, so not done on import)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     try:
         main(*args)
     except KeyboardInterrupt:

@@ -255,9 +255,10 @@ def test_a_torch_older_than_the_oldest_tested_gets_one_line_and_status_2():
     assert r.stderr.splitlines() == ["error: torch 2.11 or newer is needed; this is torch 2.5.1"]
 
 
-def test_torchs_guess_of_a_cuda_home_prints_nothing_once_the_kernels_module_is_imported(tmp_path):
-    """A CUDA build of torch on a machine without a GPU warns when its C++-extension module is imported (by the
-    kernels' build, and by inductor's). Called directly, the guess warns on any build; after cpu_gemv, not."""
+def test_torchs_guess_of_a_cuda_home_prints_nothing_in_a_command_and_importing_the_kernels_changes_no_logger(tmp_path):
+    """A CUDA build of torch on a machine without a GPU warns when its C++-extension module guesses a CUDA home (the
+    kernels' build and inductor's do). Called directly, the guess warns on any build; inside a command, not; and
+    importing cpu_gemv leaves torch's loggers as they were."""
     import os
 
     import torch
@@ -265,10 +266,13 @@ def test_torchs_guess_of_a_cuda_home_prints_nothing_once_the_kernels_module_is_i
         pytest.skip("this machine has a CUDA runtime, so torch has nothing to warn about")
     guess = "from torch.utils.cpp_extension import _find_cuda_home; _find_cuda_home()"
     env = {**os.environ, "CUDA_HOME": str(tmp_path)}
-    runs = [subprocess.run([sys.executable, "-c", first + guess], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=120) for first in ("", "import cpu_gemv; ")]
+    runs = [subprocess.run([sys.executable, "-c", first], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+            for first in (guess, f"import cli; cli.run_main(lambda: exec({guess!r}))",
+                          "import logging, cpu_gemv; assert logging.getLogger('torch.utils.cpp_extension').level == 0")]
     assert "No CUDA runtime is found" in runs[0].stderr  # what the warning looks like, where nothing stops it
     assert runs[1].returncode == 0 and runs[1].stderr == ""
+    assert runs[2].returncode == 0 and runs[2].stderr == ""
 
 
 def test_ctrl_c_while_torch_is_still_importing_is_one_line_and_status_130():
