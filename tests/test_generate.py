@@ -202,16 +202,22 @@ def test_streamed_text_equals_the_final_text_even_for_multibyte_characters(sp_mo
     assert capsys.readouterr().out == final
 
 
-def test_importing_generate_changes_no_torch_setting_and_loads_no_kernel_module():
+def python(code: str):
+    """code run by a fresh Python in the repository, its stderr shown by pytest where it fails."""
     import subprocess
     import sys
+    r = subprocess.run([sys.executable, "-c", code], cwd=gen.DEFAULT_CHECKPOINT.parent.parent, capture_output=True,
+                       text=True, timeout=600)
+    sys.stderr.write(r.stderr)
+    return r
+
+
+def test_importing_generate_changes_no_torch_setting_and_loads_no_kernel_module():
     code = ("import sys, torch; c = torch._dynamo.config; before = (c.specialize_float, "
             "c.use_recursive_dict_tags_for_guards); import generate; "
             "assert (c.specialize_float, c.use_recursive_dict_tags_for_guards) == before, before; "
             "assert not {'cpu_gemv', 'cpu_step', 'cuda_gemv'} & set(sys.modules), sorted(sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=gen.DEFAULT_CHECKPOINT.parent.parent, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert python(code).returncode == 0
 
 
 def test_asking_for_compiled_steps_sets_the_compilers_options_before_the_first_compilation():
@@ -223,13 +229,9 @@ def test_asking_for_compiled_steps_sets_the_compilers_options_before_the_first_c
 def test_a_compiled_step_takes_python_floats_as_constants():
     """compile_step sets dynamo's options when it is called, and the lazy compilation still reads them: a float
     argument (an eps, a temperature) is a constant in the graph, so a new value compiles the step again."""
-    import subprocess
-    import sys
     code = ("import torch, generate; from torch._dynamo.utils import counters; "
             "step = generate.compile_step(lambda x, temperature: x * temperature); "
             "[step(torch.ones(4), temperature=t) for t in (0.5, 0.5, 0.7)]; "
             "print(counters['stats']['unique_graphs'])")
-    r = subprocess.run([sys.executable, "-c", code], cwd=gen.DEFAULT_CHECKPOINT.parent.parent, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split()[-1] == "2"
+    r = python(code)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "2"
