@@ -33,7 +33,7 @@ from torch import Tensor
 
 from model import dequantize_rows
 
-MAX_ROWS = 32  # products of this many rows or more (prefill) go to torch's GEMM
+MAX_ROWS = 32  # products of more rows than this (prefill) go to torch's GEMM; a token tree verifies up to 32
 PROBE_ROWS = 256  # the rows of the product that decides the prefill dtype
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fast-decode"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -224,7 +224,7 @@ def register_fakes():
 
 
 def few_rows(x: Tensor) -> bool:  # decode, verification, short prompts; inference only: the ops have no backward
-    return x.numel() < MAX_ROWS * x.size(-1) and not (torch.is_grad_enabled() and x.requires_grad)
+    return x.numel() <= MAX_ROWS * x.size(-1) and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def rows_of_d(t: Tensor) -> bool:  # [B, H, L, D] with each row of D contiguous, rows D apart
@@ -234,8 +234,8 @@ def rows_of_d(t: Tensor) -> bool:  # [B, H, L, D] with each row of D contiguous,
 def sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False,
          enable_gqa: bool = False) -> Tensor:
     """F.scaled_dot_product_attention, with a few query rows over a bf16 KV cache through attend() (decode and
-    verification: q [B, H, S, D] for S < MAX_ROWS, a boolean mask [B|1, 1, S, L]); anything else through torch's."""
-    if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.size(1) == 1 and q.size(2) < MAX_ROWS
+    verification: q [B, H, S, D] for S <= MAX_ROWS, a boolean mask [B|1, 1, S, L]); anything else through torch's."""
+    if (attn_mask is not None and attn_mask.dtype == torch.bool and attn_mask.size(1) == 1 and q.size(2) <= MAX_ROWS
             and q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu"
             and q.size(-1) in (16, 32, 64, 128, 256) and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v)
             and k.stride() == v.stride() and attn_mask.stride(-1) == 1 and attn_mask.stride(-2) == attn_mask.size(-1)
@@ -248,7 +248,7 @@ def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor,
               enable_gqa: bool) -> Tensor:
     """model.sdpa_int8 (attention over an int8 cache), with a few query rows through attend_int8(); anything else
     (prefill, other head sizes) through model.py's own: dequantize, then sdpa above."""
-    if (q.size(2) < MAX_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    if (q.size(2) <= MAX_ROWS and q.dtype == torch.bfloat16 and q.device.type == "cpu"
             and q.size(-1) in (64, 128, 256) and q.size(1) % k.size(1) == 0 and rows_of_d(k) and rows_of_d(v)
             and k.stride() == v.stride() and k_scale.size(-1) == 1 and k_scale.stride(-2) == 1
             and v_scale.size(-1) == q.size(-1) // 32 and v_scale.stride(-2) == v_scale.size(-1)

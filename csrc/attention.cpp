@@ -33,11 +33,12 @@ static inline float hmax8(__m256 v) {
 
 static constexpr int64_t CHUNK = 256;  // the fewest cache positions a task takes
 
-// cache positions per task: 256 to 1024, about 16 tasks over `heads` KV heads whatever the count of threads (the
-// results do not depend on it). Each task sets up, and starts its streams of K and V cold, so longer tasks are
-// quicker at long contexts.
-static inline int64_t chunk_for(int64_t L, int64_t heads) {
-    const int64_t c = (L * heads / 16 + CHUNK - 1) / CHUNK * CHUNK;
+// cache positions per task: 256 to 1024, about 16 tasks over `heads` KV heads for a full cache of `slots` positions,
+// whatever the count of threads. Each task sets up, and starts its streams of K and V cold, so longer tasks are
+// quicker at long contexts. From the cache's size, not the context's: a row's parts, and so its rounding, are then
+// the same in a decode step and in a verify pass a few positions longer.
+static inline int64_t chunk_for(int64_t slots, int64_t heads) {
+    const int64_t c = (slots * heads / 16 + CHUNK - 1) / CHUNK * CHUNK;
     return c < CHUNK ? CHUNK : c > 4 * CHUNK ? 4 * CHUNK : c;
 }
 
@@ -194,6 +195,35 @@ static inline bool sees_all(const uint8_t* mask, int64_t S, int64_t L, int64_t l
     return true;
 }
 
+// A token tree's node sees its context, then its ancestors' slots, with other nodes' slots between; decoding its path
+// one token at a time would have the same positions consecutive. A task's sums over its positions come out the same
+// whatever lies masked between them (they add zeros), but which task, and so which part of the merge, a position
+// falls in must be decoding's: a row's n-th visible position goes to the task holding position n. Returns mask
+// [S, L] with each row's positions kept in this task [j0, j1) so (a copy, or mask itself where every row is a
+// prefix [0, x): decoding, a chain's verification), and in *end how far past j1 they reach.
+static const uint8_t* virtual_rows(const uint8_t* mask, int64_t S, int64_t L, int64_t j0, int64_t j1, int64_t* end) {
+    static thread_local vec<uint8_t> rows;
+    *end = j1;
+    auto prefix = [&](const uint8_t* m) {  // the length of m's leading run, or -1 where m sees more after it
+        int64_t x = 0;
+        while (x < L && m[x]) x++;
+        for (int64_t j = x; j < L; j++)
+            if (m[j]) return (int64_t)-1;
+        return x;
+    };
+    bool tree = false;
+    for (int64_t s = 0; s < S && !tree; s++) tree = prefix(mask + s * L) < 0;
+    if (!tree) return mask;
+    rows.assign(S * L, 0);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = 0, n = 0; j < L; j++)  // n: the visible position j is, counted as decoding counts
+            if (mask[s * L + j]) {
+                if (n >= j0 && n < j1) rows[s * L + j] = 1, *end = j + 1 > *end ? j + 1 : *end;
+                n++;
+            }
+    return rows.data();
+}
+
 static inline void clear(float* part, int64_t R, int64_t D) {  // R rows that see nothing yet
     for (int64_t r = 0; r < R; r++) {
         part[r * (D + 2)] = -INFINITY, part[r * (D + 2) + 1] = 0.f;
@@ -216,8 +246,9 @@ static void attend_chunk(const float* qf, const T* k, const float* ks, const T* 
     static_assert(BJ % 4 == 0, "pv_steps counts whole blocks of 4");
     constexpr int64_t NC = sizeof(T) == 1 ? D / 32 : 0, W = D * sizeof(T);  // V's scales a position; bytes a row
     static thread_local vec<float> sc, pc;  // [n][R8] the scores, then the weights; [NC][n][R8] times V's scales
-    int64_t lo, hi;
-    span(mask, S, L, j0, j1, &lo, &hi);
+    int64_t lo, hi, end;
+    mask = virtual_rows(mask, S, L, j0, j1, &end);
+    span(mask, S, L, j0, end, &lo, &hi);
     clear(part, R, D);
     if (lo >= hi) return;
     const int64_t n = hi - lo, R8 = (R + 7) / 8 * 8;  // rows past R are padding (q's zero rows)
@@ -381,11 +412,24 @@ static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     return _mm512_set1_epi32(u);
 }
 
-// The scores' vectors: 16 lanes, padded(RT) rows by E = 16 / padded(RT). Lane r * E + e of a product holds row r's
+// The scores' vectors: 16 lanes, P rows by E = 16 / P, of which RT hold query rows. Lane r * E + e of a product holds row r's
 // sum over K's dimension pairs e, e + E, e + 2E, ..., and after fold_all lane r * E + e holds row r's score at
 // position e of E: no transposition of K (16 x 16 words, 8 shuffles a position at 8 rows) and no sums across lanes,
-// but E - 1 folds for E positions, quicker than the transposition.
+// but E - 1 folds for E positions, quicker than the transposition. P depends on the query heads per KV head alone,
+// never on how many positions are asked: a row's score is summed in the same order whether it comes alone (decode)
+// or with others (verification), so that both give the same bits.
 static constexpr int padded(int rows) { return rows > 4 ? 8 : rows > 2 ? 4 : rows; }  // to a power of 2
+
+// F<D, P, n> for n in 1..P rows, P (1, 2, 4 or 8) and n known only at run time
+#define BYP(F, D, P, n, ...) switch ((P) * 8 + (n)) { \
+    case 64 + 8: F<D, 8, 8>(__VA_ARGS__); break; case 64 + 7: F<D, 8, 7>(__VA_ARGS__); break; \
+    case 64 + 6: F<D, 8, 6>(__VA_ARGS__); break; case 64 + 5: F<D, 8, 5>(__VA_ARGS__); break; \
+    case 64 + 4: F<D, 8, 4>(__VA_ARGS__); break; case 64 + 3: F<D, 8, 3>(__VA_ARGS__); break; \
+    case 64 + 2: F<D, 8, 2>(__VA_ARGS__); break; case 64 + 1: F<D, 8, 1>(__VA_ARGS__); break; \
+    case 32 + 4: F<D, 4, 4>(__VA_ARGS__); break; case 32 + 3: F<D, 4, 3>(__VA_ARGS__); break; \
+    case 32 + 2: F<D, 4, 2>(__VA_ARGS__); break; case 32 + 1: F<D, 4, 1>(__VA_ARGS__); break; \
+    case 16 + 2: F<D, 2, 2>(__VA_ARGS__); break; case 16 + 1: F<D, 2, 1>(__VA_ARGS__); break; \
+    default: F<D, 1, 1>(__VA_ARGS__); }
 
 // K's E dimension pairs at p, broadcast to every row's lanes
 template <int E>
@@ -404,9 +448,9 @@ static inline __m512i kpairs(const uint16_t* p) {
 }
 
 // qv[g][r * E + e]: row r's dimension pair g * E + e of RT rows of bf16 q (D apart); 0 for rows RT .. P - 1
-template <int D, int RT>
+template <int D, int P, int RT>
 static inline void arrange_q(const uint16_t* q, uint32_t* qv) {
-    constexpr int P = padded(RT), E = 16 / P;
+    constexpr int E = 16 / P;
     for (int g = 0; g < D / 2 / E; g++)
         for (int r = 0; r < P; r++)
             for (int e = 0; e < E; e++) {
@@ -447,10 +491,10 @@ static inline __m512 fold_all(__m512* x) {
 // Rows of the scores s (lanes as weights_bf16's) whose maximum mr[r] (log2 units) a seen score passes by more than
 // 8: the maximum raised to it, the row's output, its sums in l (returned) and its weights already written (positions
 // [0, n) of w) rescaled by 2^(m - new m). Out of line: rare, and inline its registers crowded the loop's.
-template <int D, int RT>
+template <int D, int P, int RT>
 __attribute__((noinline)) static __m256 raise_max_bf16(__m512 s, __mmask16 seen, float scale, float* mr, float* part,
                                                        __m256 l, uint16_t* w, int64_t n) {
-    constexpr int E = 16 / padded(RT);
+    constexpr int E = 16 / P;
     alignas(64) float sv[16];
     _mm512_store_ps(sv, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
     for (int r = 0; r < RT; r++) {
@@ -480,11 +524,11 @@ __attribute__((noinline)) static __m256 raise_max_bf16(__m512 s, __mmask16 seen,
 // position seen) hide positions; so do those past n (weights 0). Asks for K `far` bytes ahead unless far is 0, and,
 // vector after vector of every 16 positions, for `per` bytes more of next[0] and of next[1] (the next block's K and
 // V past what the reads ask for).
-template <int D, int RT>
+template <int D, int P, int RT>
 static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n, float scale, const uint8_t* m,
                                 int64_t r0, int64_t S, int64_t L, float* part, __m256& sums, uint16_t* w,
                                 int64_t far, const char* const* next, int64_t per) {
-    constexpr int P = padded(RT), E = 16 / P;
+    constexpr int E = 16 / P;
     constexpr __mmask16 rows = (1u << (RT * E)) - 1;  // the lanes of rows, not padding
     static thread_local uint16_t tail[16 * D];  // the last positions, then zeros: no reads past n
     const __m512i row_of = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -539,7 +583,7 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
             top16 = _mm512_mask_max_ps(top16, seen[c], top16, sc[c]), any |= seen[c];
         }
         if (_mm512_mask_cmp_ps_mask(any, top16, top, _CMP_GT_OQ)) {  // rows whose maximum rises
-            l = raise_max_bf16<D, RT>(top16, any, scale, mr, part, l, w, j);
+            l = raise_max_bf16<D, P, RT>(top16, any, scale, mr, part, l, w, j);
             mv = _mm512_permutexvar_ps(row_of, _mm512_load_ps(mr));
             top = _mm512_mul_ps(_mm512_add_ps(mv, _mm512_set1_ps(8.f)), _mm512_set1_ps(iscale));
         }
@@ -562,9 +606,9 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
 // multiplies. With few rows, a pass over the positions takes several 32-dimension blocks (NB), up to 16 sums: each
 // sum waits on its previous dpbf16, and fewer of them leave the unit idle (8 rows keep one block a pass).
 // Asks for V `far` bytes ahead unless far is 0.
-template <int D, int RT>
+template <int D, int P, int RT>
 static inline void pv_bf16(const uint16_t* p, const uint16_t* v, int64_t n, float* o, int64_t far) {
-    constexpr int NB = RT * (D / 32) <= 8 ? D / 32 : 1, E = 16 / padded(RT);
+    constexpr int NB = RT * (D / 32) <= 8 ? D / 32 : 1, E = 16 / P;
     for (int d0 = 0; d0 < D; d0 += 32 * NB) {
         __m512 acc[RT][NB][2];
         for (int r = 0; r < RT; r++)
@@ -592,27 +636,96 @@ static inline void pv_bf16(const uint16_t* p, const uint16_t* v, int64_t n, floa
 }
 
 
+// A token tree's node sees its context, then its ancestors' slots, with its siblings' slots between them. Decoding
+// its path one token at a time would have those same positions consecutive, and dpbf16 adds V's positions in pairs
+// and the weights in groups of 16 counted from a block's start: the node's sums came out in another order than
+// decoding's. So a mask row that is no prefix [0, x) is taken apart: the tile (below) runs its positions up to the
+// block that holds x, as decoding would, and gathered_row the rest, its visible positions copied together in
+// order. tree_from_[s]: where mask row s goes over to gathered_row in this task, or -1; mask_rows_: the mask with
+// those rows cleared from there on (the tile adds nothing for them past it); mask_tree_rows returns it, or mask
+// itself where every row is a prefix (decoding, a chain's verification).
+static thread_local vec<int64_t> tree_from_;
+static thread_local vec<uint8_t> mask_rows_;
+
+template <int64_t BJ>
+static const uint8_t* mask_tree_rows(const uint8_t* mask, int64_t S, int64_t L, int64_t j0, int64_t j1) {
+    tree_from_.clear();
+    for (int64_t s = 0; s < S; s++) {
+        const uint8_t* m = mask + s * L;
+        int64_t x = 0, n = 0;
+        while (x < L && m[x]) x++;
+        n = x;
+        for (int64_t j = x; j < L; j++) n += m[j] != 0;
+        if (n == x || x >= j1) continue;  // a prefix here: the tile runs it
+        if (tree_from_.empty()) {
+            tree_from_.assign(S, -1);
+            mask_rows_.resize(S * L);
+            memcpy(mask_rows_.data(), mask, S * L);
+        }
+        const int64_t from = j0 + ((x > j0 ? x : j0) - j0) / BJ * BJ;
+        tree_from_[s] = n > j0 ? from : -1;  // none of its n positions in this task: it sees nothing here
+        memset(&mask_rows_[s * L + from], 0, L - from);
+    }
+    return tree_from_.empty() ? mask : mask_rows_.data();
+}
+
+// One row of q over the virtual positions [b0, e) of mask row m (the visible positions in order: position i < x as
+// it is, the rest the visible slots after x), their K and V copied into consecutive rows, in blocks from b0 as the
+// tile's: a lone row's tile of P lanes, row 0. lanes: the row's E / 2 sums of weights, in and out.
+template <int D, int P, int RT>
+static void gathered_row(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* m, int64_t L,
+                         int64_t b0, int64_t e, float scale2, float* part, float* lanes) {
+    constexpr int64_t BJ = 4096 / D;
+    constexpr int E = 16 / P;
+    static thread_local vec<uint16_t> kg, vg, w;
+    static thread_local vec<uint32_t> qv;
+    int64_t x = 0;
+    while (x < L && m[x]) x++;
+    kg.resize(0), vg.resize(0);
+    for (int64_t i = b0 < x ? b0 : x, j = i; i < e && j < L; j++) {  // i: virtual position, at slot j
+        if (j >= x && !m[j]) continue;
+        if (i >= b0) kg.insert(kg.end(), k + j * D, k + (j + 1) * D), vg.insert(vg.end(), v + j * D, v + (j + 1) * D);
+        i++;
+    }
+    const int64_t n = (int64_t)kg.size() / D;
+    w.resize(P * BJ), qv.resize(4 * D);
+    arrange_q<D, P, 1>(q, qv.data());
+    alignas(32) float l8[8] = {};
+    for (int i = 0; i < E / 2; i++) l8[i] = lanes[i];
+    __m256 l = _mm256_load_ps(l8);
+    const char* next[2] = {(const char*)kg.data(), (const char*)vg.data()};
+    for (int64_t b = 0; b < n; b += BJ) {
+        const int64_t nb = BJ < n - b ? BJ : n - b;
+        weights_bf16<D, P, 1>(qv.data(), kg.data() + b * D, nb, scale2, nullptr, 0, 1, 0, part, l, w.data(), 0,
+                              next, 0);
+        pv_bf16<D, P, 1>(w.data(), vg.data() + b * D, nb, part + 2, 0);
+    }
+    _mm256_store_ps(l8, l);
+    for (int i = 0; i < E / 2; i++) lanes[i] = l8[i];
+}
+
 // attend_chunk with dpbf16 (D 32 or more), q bf16, reading K and V side by side a block of 8 KB each at a time with
 // the softmax online (as flash attention does): two steady streams keep memory busy; with all of K read before all
 // of V, the weighted sum waited on V. The softmax is taken on the scores in weights_bf16's registers rather than in
 // a pass of its own over each block's scores. HOW_IT_WORKS.md, "Attention for a few query rows".
 template <int D>
 static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
-                              const uint8_t* mask, int64_t S, int64_t L, int64_t R, int64_t j0, int64_t j1,
+                              const uint8_t* mask, int64_t S, int64_t L, int64_t G, int64_t j0, int64_t j1,
                               float* part) {
     constexpr int64_t BJ = 4096 / D;  // positions per block: 8 KB of K and of V
-    static thread_local vec<uint16_t> pb;  // [R / 8][BJ / E][16] a block's weights, 8 rows at a time
-    static thread_local vec<uint32_t> qv;  // [R / 8][4 D] q's pairs as weights_bf16 reads them
-    static thread_local vec<float> ls;  // [R / 8][8] the weights summed
+    static thread_local vec<uint16_t> pb;  // [tiles][P][BJ] a block's weights, a tile of P rows at a time
+    static thread_local vec<uint32_t> qv;  // [tiles][4 D] q's pairs as weights_bf16 reads them
+    static thread_local vec<float> ls;  // [tiles][8] the weights summed
+    const int64_t R = G * S, P = padded(G < 8 ? G : 8), E = 16 / P, tiles = (R + P - 1) / P;  // P: see padded
+    const uint8_t* rows = mask_tree_rows<BJ>(mask, S, L, j0, j1);  // mask, or with a tree's rows cleared
     int64_t lo, hi;
-    span(mask, S, L, j0, j1, &lo, &hi);
+    span(rows, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
-    if (lo >= hi) return;
-    const int64_t tiles = (R + 7) / 8;
-    pb.resize(tiles * 8 * BJ), qv.resize(tiles * 4 * D), ls.assign(tiles * 8, 0.f);
+    if (lo >= hi && tree_from_.empty()) return;
+    pb.resize(tiles * P * BJ), qv.resize(tiles * 4 * D), ls.assign(tiles * 8, 0.f);
     __m256* l = (__m256*)ls.data();
-    for (int64_t r = 0; r < R; r += 8) BY8(arrange_q, D, R - r < 8 ? R - r : 8, q + r * D, &qv[r / 8 * 4 * D])
-    const uint8_t* m = sees_all(mask, S, L, lo, hi) ? nullptr : mask;
+    for (int64_t r = 0; r < R; r += P) BYP(arrange_q, D, P, R - r < P ? R - r : P, q + r * D, &qv[r / P * 4 * D])
+    const uint8_t* m = lo < hi && sees_all(rows, S, L, lo, hi) ? nullptr : rows;
     // With 8 or more rows the softmax takes long enough for memory to go idle: the rows ask for shares of the next
     // block's K and V past KV_AHEAD as their weights come out. With fewer rows the rest of the block is short, and
     // these requests would crowd the ones it makes.
@@ -622,18 +735,22 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
     for (int64_t b = lo; b < hi; b += BJ) {
         const int64_t nb = BJ < hi - b ? BJ : hi - b;
         const char* next[2] = {(const char*)(k + (b + BJ) * D) + KV_AHEAD, (const char*)(v + (b + BJ) * D) + KV_AHEAD};
-        for (int64_t r = 0; r < R; r += 8)
-            BY8(weights_bf16, D, R - r < 8 ? R - r : 8, &qv[r / 8 * 4 * D], k + b * D, nb, scale2, m ? m + b : m, r,
-                S, L, part + r * (D + 2), l[r / 8], &pb[r * BJ], r ? 0 : KV_AHEAD, next, r ? 0 : per)
-        for (int64_t r = 0; r < R; r += 8)
-            BY8(pv_bf16, D, R - r < 8 ? R - r : 8, &pb[r * BJ], v + b * D, nb, part + r * (D + 2) + 2,
+        for (int64_t r = 0; r < R; r += P)
+            BYP(weights_bf16, D, P, R - r < P ? R - r : P, &qv[r / P * 4 * D], k + b * D, nb, scale2, m ? m + b : m,
+                r, S, L, part + r * (D + 2), l[r / P], &pb[r * BJ], r ? 0 : KV_AHEAD, next, r ? 0 : per)
+        for (int64_t r = 0; r < R; r += P)
+            BYP(pv_bf16, D, P, R - r < P ? R - r : P, &pb[r * BJ], v + b * D, nb, part + r * (D + 2) + 2,
                 r ? 0 : KV_AHEAD)
     }
+    for (int64_t r = 0; r < R && !tree_from_.empty(); r++)  // a tree's nodes: the rest of their positions
+        if (tree_from_[r % S] >= 0)
+            BYP(gathered_row, D, P, 1, q + r * D, k, v, mask + r % S * L, L, tree_from_[r % S], j1, scale2,
+                part + r * (D + 2), &ls[r / P * 8 + r % P * E / 2])
     for (int64_t r = 0; r < R; r++) {  // the merge's units: m in e's powers; a row's sum from its E / 2 lanes
-        const int64_t t = r / 8, E = 16 / padded(R - t * 8 < 8 ? R - t * 8 : 8);
+        const int64_t t = r / P;
         part[r * (D + 2)] *= 0.693147181f;
         float sum = 0.f;
-        for (int64_t e = 0; e < E / 2; e++) sum += ls[t * 8 + r % 8 * E / 2 + e];
+        for (int64_t e = 0; e < E / 2; e++) sum += ls[t * 8 + r % P * E / 2 + e];
         part[r * (D + 2) + 1] = sum;
     }
 }
@@ -676,7 +793,7 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
     const bool fp32 = true;
 #endif
     // attend_chunk holds all of a task's scores at once: CHUNK positions of them
-    const int64_t chunk = fp32 ? CHUNK : chunk_for(L, B * Hkv);
+    const int64_t chunk = fp32 ? CHUNK : chunk_for(kh / D, Hkv);
     const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks;
     // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
     // there a thread_local name would be each worker's own
@@ -711,10 +828,10 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
 #ifdef __AVX512BF16__
             const uint16_t* qb = q + q0;
             switch (D) {
-                case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); return;
-                case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); return;
-                case 256: attend_chunk_bf16<256>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); return;
-                case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mask + b * mb, S, L, R, j0, j1, part); return;
+                case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
+                case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
+                case 256: attend_chunk_bf16<256>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
+                case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
             }
 #endif
             const float* qt = qf + q0;
@@ -837,12 +954,13 @@ static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k
     constexpr int64_t BJ = 8192 / D, NC = D / 32;
     static thread_local vec<float> sc;  // [R][BJ] a block's scores
     static thread_local vec<uint8_t> pb;  // [NC][R][BJ] its weights times V's scales, rounded to 8 bits
-    static thread_local vec<float> pw, vsb;  // [NC][R] their scales; [NC][BJ] the block's V scales, 0 past its end
+    static thread_local vec<float> pw, vsb, vsg;  // [NC][R] their scales; [NC][BJ] the block's V scales, 0 past its
+                                                    // end; the same times 255 over a row's largest
     int64_t lo, hi;
     span(mask, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
     if (lo >= hi) return;
-    sc.resize(R * BJ), pb.resize(NC * R * BJ), pw.resize(NC * R), vsb.resize(NC * BJ);
+    sc.resize(R * BJ), pb.resize(NC * R * BJ), pw.resize(NC * R), vsb.resize(NC * BJ), vsg.resize(NC * BJ);
     const bool all = sees_all(mask, S, L, lo, hi);
     for (int64_t b = lo; b < hi; b += BJ) {
         const int64_t nb = BJ < hi - b ? BJ : hi - b;
@@ -873,15 +991,21 @@ static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k
             for (int64_t c = 0; c < NC; c++)
                 vbig[c] = _mm512_max_ps(vbig[c], x[c]), _mm512_storeu_ps(&vsb[c * BJ + j], x[c]);
         }
-        for (int64_t c = 0; c < NC; c++) {  // V's scales over the block's largest, times 255: for every row
-            vtop[c] = _mm512_reduce_max_ps(vbig[c]);
-            const __m512 g = _mm512_set1_ps(vtop[c] > 0.f ? 255.f / vtop[c] : 0.f);
-            for (int64_t j = 0; j < BJ; j += 16)
-                _mm512_storeu_ps(&vsb[c * BJ + j], _mm512_mul_ps(_mm512_loadu_ps(&vsb[c * BJ + j]), g));
-        }
         for (int64_t r = 0; r < R; r++) {
+            const uint8_t* mr = all ? nullptr : mask + (r % S) * L + b;
+            // V's scales over the largest of those the row sees, times 255: the row's own, so that a row comes out
+            // the same whatever other rows see (decoding and verification agree)
+            for (int64_t c = 0; c < NC; c++) {
+                vtop[c] = 0.f;
+                if (!mr) vtop[c] = _mm512_reduce_max_ps(vbig[c]);
+                for (int64_t j = 0; mr && j < nb; j++)
+                    if (mr[j] && vsb[c * BJ + j] > vtop[c]) vtop[c] = vsb[c * BJ + j];
+                const __m512 g = _mm512_set1_ps(vtop[c] > 0.f ? 255.f / vtop[c] : 0.f);
+                for (int64_t j = 0; j < BJ; j += 16)
+                    _mm512_storeu_ps(&vsg[c * BJ + j], _mm512_mul_ps(_mm512_loadu_ps(&vsb[c * BJ + j]), g));
+            }
             float* s = &sc[r * BJ];
-            const float bm = masked_max(s, nb, BJ, all ? nullptr : mask + (r % S) * L + b);
+            const float bm = masked_max(s, nb, BJ, mr);
             float* row = part + r * (D + 2);
             for (int64_t c = 0; c < NC; c++) pw[c * R + r] = 0.f;
             if (bm == -INFINITY) {  // nothing seen in this block: weights 0
@@ -901,7 +1025,7 @@ static void attend_chunk_int8(const uint8_t* q, const float* qs, const int8_t* k
                 __m512 p = exp2_grid(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), l2e, m16), 0xffff);
                 sum = _mm512_add_ps(sum, p);
                 for (int64_t c = 0; c < NC; c++) {
-                    __m512 w = _mm512_mul_ps(p, _mm512_loadu_ps(&vsb[c * BJ + j]));
+                    __m512 w = _mm512_mul_ps(p, _mm512_loadu_ps(&vsg[c * BJ + j]));
                     _mm_storeu_si128((__m128i*)&pb[(c * R + r) * BJ + j],
                                      _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(w)));
                 }
@@ -920,7 +1044,7 @@ void fast_decode::attend_int8(const uint16_t* q, const int8_t* k, const float* k
                             const uint8_t* mask, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
                             int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t ksb, int64_t ksh, int64_t vsb,
                             int64_t vsh, int64_t mb) {
-    const int64_t chunk = chunk_for(L, B * Hkv);
+    const int64_t chunk = chunk_for(kh / D, Hkv);
     const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks, rows = B * H * S;
     static thread_local vec<float> parts_, qs_;
     static thread_local vec<uint8_t> q8_;

@@ -53,7 +53,7 @@ void dequantize_int4(const uint8_t* w, const uint16_t* scales, const uint16_t* z
 
 // out [B, H, S, D] = softmax(q k^T / sqrt(D), masked) v for q [B, H, S, D] bf16 and k, v [B, Hkv, L, D] bf16 (rows
 // of D contiguous; kb, kh: the strides of b and of a KV head, in elements), mask [B, S, L] bool (mb: its stride of
-// b, 0 to share one); H a multiple of Hkv, D 16 to 256, S < 32
+// b, 0 to share one); H a multiple of Hkv, D 16 to 256, S <= 32
 void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out, int64_t B,
             int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t mb);
 

@@ -134,7 +134,7 @@ def test_what_the_kernels_cannot_do_is_left_to_torch():
 @torch.no_grad()
 def test_many_rows_go_to_torchs_gemm_in_the_measured_dtype():
     layer = installed(nn.Linear(64, 48, bias=False).bfloat16())
-    x = torch.randn(cpu_gemv.MAX_ROWS, 64).bfloat16()
+    x = torch.randn(cpu_gemv.MAX_ROWS + 1, 64).bfloat16()
     expected = F.linear(x.to(layer.dtype), layer.weight.to(layer.dtype)).bfloat16()
     assert layer.dtype in (torch.bfloat16, torch.float32) and torch.equal(layer(x), expected)
 

@@ -1,0 +1,119 @@
+"""Batch invariance of the CPU kernels in bfloat16: a row's result does not depend on the other rows beside it. A
+verify pass over several positions computes, bit for bit, what decoding them one at a time computes; a token tree's
+node what decoding its path computes. That is what makes speculative decoding's greedy output equal plain
+decoding's in bfloat16, on every instruction set this CPU runs."""
+import random
+
+import pytest
+import torch
+
+import cpu_gemv
+import generate as gen
+import speculative
+from checkpoint import load_model
+from generate import DEFAULT_CHECKPOINT
+from model import ModelArgs, Transformer, kv_bucket
+from trees import Tree, path_to, tree_inputs
+
+TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
+pytestmark = pytest.mark.skipif(not TARGETS or cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
+
+
+@pytest.fixture(params=TARGETS)
+def kernels(request):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))  # the kernels split work among threads: two at least, as decode runs
+    assert cpu_gemv.load(request.param) == request.param
+    yield request.param
+    cpu_gemv.load()
+    torch.set_num_threads(threads)
+
+
+def bf16_model(head_dim: int, kv_cache=None) -> Transformer:
+    """A random model on the CPU kernels with three query heads per KV head (as SmolLM2 has), and a cache long
+    enough that the attention splits it into several parts."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=64, n_layer=2, n_head=6, n_kv_head=2, dim=6 * head_dim, intermediate_size=96,
+                     block_size=1024)
+    model = Transformer(args).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model = model.bfloat16()
+    cpu_gemv.install(model)
+    model.setup_caches(1, 1024, kv_cache)
+    return model
+
+
+def prefill(model, prompt: list[int]):
+    T = len(prompt)
+    model(torch.tensor([prompt]), torch.arange(T), None, kv_bucket(T, model.max_seq_length))
+
+
+def decode(model, tokens: list[int], base: int) -> list[torch.Tensor]:
+    """The logits after each token, fed one at a time from cache slot base."""
+    return [model(torch.tensor([[t]]), torch.arange(base + i, base + i + 1), None,
+                  kv_bucket(base + i + 1, model.max_seq_length))[0, -1] for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("head_dim, kv_cache", [(32, None), (64, None), (64, torch.int8)])
+@torch.inference_mode()
+def test_a_verify_pass_computes_each_position_as_decoding_it_alone_does(kernels, head_dim, kv_cache):
+    model = bf16_model(head_dim, kv_cache)
+    rng = random.Random(1)
+    for T, M in ((40, 6), (300, 17), (250, 32)):  # the last crosses a part boundary of the attention
+        tokens = [rng.randrange(64) for _ in range(T + M)]
+        prefill(model, tokens[:T])
+        many = model(torch.tensor([tokens[T:]]), torch.arange(T, T + M), None,
+                     kv_bucket(T + M, model.max_seq_length))[0]
+        one = decode(model, tokens[T:], T)
+        assert all(torch.equal(one[i], many[i]) for i in range(M)), (T, M)
+
+
+def random_tree(rng, root: int, nodes: int) -> Tree:
+    tree = Tree([root])
+    for i in range(1, nodes):
+        tree.add(rng.randrange(i), rng.randrange(64), 0.5)
+    return tree
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+@torch.inference_mode()
+def test_a_token_trees_node_computes_what_decoding_its_path_computes(kernels, head_dim):
+    """Each node sees its context and its ancestors, with its siblings' slots between them; it comes out as the last
+    token of its path decoded one token at a time, also where the tree straddles a part boundary of the attention."""
+    model = bf16_model(head_dim)
+    rng = random.Random(2)
+    for base, nodes in ((20, 12), (240, 32)):
+        context = [rng.randrange(64) for _ in range(base)]
+        tree = random_tree(rng, rng.randrange(64), nodes)
+        nodes = len(tree.tokens)  # siblings with the same token are one node
+        prefill(model, context)
+        kv_len = kv_bucket(base + nodes, model.max_seq_length)
+        mask, pos = tree_inputs(tree, base, range(nodes), kv_len, 0, "cpu")
+        many = model(torch.tensor([tree.tokens]), torch.arange(base, base + nodes), None, kv_len, mask=mask,
+                     pos=pos)[0]
+        for node in range(nodes):
+            path = [tree.tokens[0]] + path_to(tree, node)
+            assert torch.equal(decode(model, path, base)[-1], many[node]), (base, node)
+
+
+@pytest.fixture(scope="module")
+def builtin_pair():
+    target = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
+    draft = load_model(DEFAULT_CHECKPOINT.parent / "stdlib-draft", "cpu", torch.bfloat16)
+    for m in (target, draft):
+        m.setup_caches(1, 512)
+    return target, draft
+
+
+@pytest.mark.parametrize("speculate", speculative.SPECULATE)
+def test_every_speculative_method_decodes_greedily_what_plain_decoding_does_in_bfloat16(builtin_pair, speculate):
+    target, draft = builtin_pair
+    drafted = speculate in ("draft", "tree", "staged")
+    rng = random.Random(3)
+    for _ in range(2):
+        prompt = [rng.randrange(3, target.args.vocab_size) for _ in range(rng.randrange(20, 200))]
+        plain = gen.generate(target, [prompt], 48, temperature=0).rows[0]
+        loop = speculative.make_loop(target, max_new_tokens=48, speculate=speculate,
+                                     draft=draft if drafted else None, temperature=0)
+        assert loop([prompt]).rows[0] == plain, speculate
