@@ -16,7 +16,7 @@ from conftest import errors_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench import kept, memory_changed, round_plan  # noqa: E402
+from bench_peer import kept, memory_changed, round_plan  # noqa: E402
 from convert_gguf import convert_gguf  # noqa: E402
 from llama_cpp import llama_bench, write_gguf  # noqa: E402
 
