@@ -1,7 +1,8 @@
 """Speculative decoding as users meet it: greedy decoding of --new_tokens tokens by the default proposer choice
 (speculate="auto") and by each method forced, each timed against plain decoding, for the built-in pair and for
 SmolLM2-135M-Instruct (bf16 and int8), on four workloads: held-out code (prefixes of files from third-party
-packages, code the built-in pair never saw), copy-heavy editing, repetitive text and free prose.
+packages, code the built-in pair never saw), copy-heavy editing, repetitive text and free prose. Prompts hold up to
+128 tokens for the built-in pair (it learned from 256-token windows) and up to 400 for SmolLM2.
 
 Every method runs as speculative.make_loop builds it, a fresh loop per run (as one run of speculative.py), with the
 command line's default settings. Rounds alternate: for each prompt every method runs once, in an order that reverses
@@ -34,7 +35,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -49,14 +50,16 @@ from generate import DEFAULT_CHECKPOINT  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # convert_gguf, quantize_checkpoint
 DRAFT = DEFAULT_CHECKPOINT.parent / "stdlib-draft"
-MODELS = {"builtin": "bf16", "smollm2": "bf16", "smollm2-int8": "int8"}  # name -> its weights
+# name -> (its weights, the most tokens of a prompt): the built-in pair learned from 256-token windows, which a
+# prompt and its 128 new tokens then stay within
+MODELS = {"builtin": ("bf16", 128), "smollm2": ("bf16", 400), "smollm2-int8": ("int8", 400)}
 WORKLOADS = {"code": "held-out code", "copy": "copy-heavy editing", "repetitive": "repetitive text",
              "prose": "free prose"}
 METHODS = ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead")  # plain always runs: the reference
 WITH_DRAFT = ("draft", "tree", "staged")
 PACKAGES = ("jinja2", "tqdm", "tokenizers")  # third-party Python source, not the standard library the pair learned
 CLI = {k: speculative.parser().get_default(k) for k in ("speculate_k", "max_nodes")}  # speculative.py's defaults
-CODE_CHARS = 1200  # about 300 to 400 tokens of code per prompt
+CODE_CHARS = 1600  # code taken from a file, before it is cut to the model's prompt tokens
 
 
 # ---- the prompts ---------------------------------------------------------------------------------------------------
@@ -81,6 +84,14 @@ def lines_upto(text: str, chars: int) -> str:
     return text[: text.rfind("\n", 0, chars) + 1] if "\n" in text[:chars] else text[:chars]
 
 
+def fit(text: str, count: Callable[[str], int], tokens: int) -> str:
+    """text's first whole lines, as many as count (a tokenizer's) puts at `tokens` or fewer (at least one)."""
+    lines = text.splitlines(keepends=True)
+    while len(lines) > 1 and count("".join(lines)) > tokens:
+        lines.pop()
+    return "".join(lines)
+
+
 def function_window(text: str, rng: random.Random) -> str:
     """About CODE_CHARS of code starting at a def line picked by rng (the file's start if none leaves that much)."""
     starts = [m.start() for m in re.finditer(r"^(    )?def ", text, re.M) if m.start() + CODE_CHARS < len(text)]
@@ -100,17 +111,17 @@ def renamed_variable(code: str) -> tuple[str, str]:
 def repetitive_texts(rng: random.Random) -> dict[str, str]:
     """A log, a table and a numbered list, each some lines of one pattern with varying figures, to be continued."""
     t, log = 3600 * 9, []
-    for job in range(1000, 1008):
+    for job in range(1000, 1020):
         t += rng.randint(1, 40)
-        log.append(f"2026-03-14 {t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d} INFO worker-{rng.randint(1, 4)} "
-                   f"finished job {job} in {rng.uniform(0.1, 3):.2f} s ({rng.randint(10, 99)} items)")
+        log.append(f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d} INFO worker-{rng.randint(1, 4)} finished job "
+                   f"{job} in {rng.uniform(0.1, 3):.2f} s")
     cities = ["Lisbon", "Oslo", "Quito", "Hanoi", "Perth", "Tunis", "Lima", "Riga"]
     table = ["| day | city | high (C) | low (C) | rain (mm) |", "| --- | --- | ---: | ---: | ---: |"]
     table += [f"| {d} | {rng.choice(cities)} | {rng.randint(15, 30)} | {rng.randint(2, 14)} | {rng.randint(0, 20)} |"
-              for d in range(1, 11)]
+              for d in range(1, 21)]
     items = ["bolts", "washers", "hinges", "brackets", "screws", "rivets"]
     orders = [f"{i}. Order #{40210 + 7 * i}: {rng.randint(2, 60)} {rng.choice(items)}, shipped to bay "
-              f"{rng.randint(1, 9)}, status: delivered" for i in range(1, 11)]
+              f"{rng.randint(1, 9)}, status: delivered" for i in range(1, 21)]
     return {"log": "\n".join(log) + "\n", "table": "\n".join(table) + "\n", "list": "\n".join(orders) + "\n"}
 
 
@@ -129,25 +140,28 @@ DOCSTRINGS = ("def merge_intervals(intervals):\n    \"\"\"Merge overlapping (sta
               "def chunked(items, size):\n    \"\"\"Yield successive lists of `size` items from the iterable.\"\"\"\n")
 
 
-def workload_texts(name: str, chat: bool, n: int, seed: int) -> list[tuple[str, bool, str]]:
-    """n prompts of a workload for a chat model (chat) or a base one: (text, whether it is a chat message, where
-    it comes from)."""
+def workload_texts(name: str, chat: bool, n: int, seed: int, count: Callable[[str], int],
+                   tokens: int) -> list[tuple[str, bool, str]]:
+    """n prompts of a workload for a chat model (chat) or a base one, each about `tokens` tokens or fewer as count
+    (the model's tokenizer) puts it: (text, whether it is a chat message, where it comes from)."""
     rng = random.Random(f"{seed}-{name}")
     if name in ("code", "copy"):
         files = package_files()
         sources = [(f.read_text(encoding="utf-8", errors="replace"), where) for f, where in
                    rng.sample(files, min(n, len(files)))]
     if name == "code":  # a file's start, to be continued
-        return [(lines_upto(s, CODE_CHARS), False, where) for s, where in sources]
+        return [(fit(lines_upto(s, CODE_CHARS), count, tokens), False, where) for s, where in sources]
     if name == "copy":
         windows = [(function_window(s, rng), where) for s, where in sources]
         if not chat:  # a base model copies when the text repeats: the window, then its start again
+            windows = [(fit(w, count, tokens * 3 // 4), where) for w, where in windows]
             return [(w + "\n\n" + lines_upto(w, len(w) // 3), False, where) for w, where in windows]
-        asks = [(w, where, *renamed_variable(w)) for w, where in windows]
+        asks = [(fit(w, count, tokens), where, *renamed_variable(w)) for w, where in windows]
         return [(f"Rewrite this code with the variable `{x}` renamed to `{y}`, and give back the whole code:\n"
                  f"```python\n{w}```", True, where) for w, where, x, y in asks]
     if name == "repetitive":
-        return [(t, False, kind) for kind, t in rng.sample(list(repetitive_texts(rng).items()), min(n, 3))]
+        return [(fit(t, count, tokens), False, kind)
+                for kind, t in rng.sample(list(repetitive_texts(rng).items()), min(n, 3))]
     return [(q, chat, "question" if chat else "docstring") for q in rng.sample(QUESTIONS if chat else DOCSTRINGS,
                                                                               min(n, 6))]
 
@@ -210,7 +224,8 @@ def bench_model(name: str, work: Path, args, device, steps) -> dict:
     model, draft, tokenizer, path = load(name, work, device)
     methods = ["plain"] + [m for m in args.methods if draft is not None or m not in WITH_DRAFT]
     chat = tokenizer.chat_template is not None
-    texts = {w: workload_texts(w, chat, args.prompts, args.seed) for w in args.workloads}
+    count = lambda text: len(tokenizer.encode(text, bos=False))  # noqa: E731
+    texts = {w: workload_texts(w, chat, args.prompts, args.seed, count, MODELS[name][1]) for w in args.workloads}
     prompts = {w: [cli.encode_prompt(tokenizer, text, is_chat) for text, is_chat, _ in ts] for w, ts in texts.items()}
     room = trees.DraftTree(draft, staged=trees.Suffix()).room if draft is not None else 0
     extra = max(CLI["speculate_k"] + 1, CLI["max_nodes"], room)
@@ -233,7 +248,7 @@ def bench_model(name: str, work: Path, args, device, steps) -> dict:
                     runs[w][method][r][i] = run_once(model, draft, method, prompt, args.new_tokens,
                                                      tokenizer.eos_ids, steps)
             print(f"{name}, round {r + 1}/{args.rounds}: {WORKLOADS[w]} done", file=sys.stderr)
-    return {"checkpoint": str(path if name == "builtin" else smollm2_gguf()), "weights": MODELS[name],
+    return {"checkpoint": str(path if name == "builtin" else smollm2_gguf()), "weights": MODELS[name][0],
             "draft": str(DRAFT) if draft is not None else None,
             "kernels": cli.kernels_of(model, device).lstrip("; "), "warmup_s": warmup_s,
             "workloads": {w: {"prompts": [{"source": where, "chat": is_chat, "tokens": len(p), "text": text}
