@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
@@ -99,12 +100,18 @@ def function_window(text: str, rng: random.Random) -> str:
 
 
 def renamed_variable(code: str) -> tuple[str, str]:
-    """The code's most used variable (a name it assigns, or any plain name if it assigns none) and a new name."""
-    taken = set(dir(builtins)) | set(keyword.kwlist) | {"self", "cls"}
-    assigned = set(re.findall(r"^\s*([a-z_]\w*)\s*=[^=]", code, re.M) + re.findall(r"\bfor ([a-z_]\w*) in", code))
-    names = Counter(n for n in re.findall(r"\b[a-z_]\w+\b", code) if n not in taken)
-    name = max(assigned - taken, key=names.__getitem__, default=None) or \
-        (names.most_common(1)[0][0] if names else "value")
+    """The lower-case name the code uses most (not in strings or comments; not an attribute, a keyword, a builtin or
+    self) and a new name for it."""
+    taken, names, last = set(dir(builtins)) | set(keyword.kwlist) | {"self", "cls"}, Counter(), None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.NAME and tok.string[0].islower() and len(tok.string) > 2 and \
+                    tok.string not in taken and last != ".":
+                names[tok.string] += 1
+            last = tok.string
+    except (tokenize.TokenError, SyntaxError):  # a window may end inside a bracket: the names before it count
+        pass
+    name = names.most_common(1)[0][0] if names else "value"
     return name, f"new_{name}"
 
 
