@@ -7,8 +7,8 @@ packages, code the built-in pair never saw), copy-heavy editing, repetitive text
 Every method runs as speculative.make_loop builds it, a fresh loop per run (as one run of speculative.py), with the
 command line's default settings. Rounds alternate: for each prompt every method runs once, in an order that reverses
 from one prompt and round to the next, so that a machine that slows down or speeds up hits every method alike. What
-is compared is decoding's seconds per new token after the first, from the loop's own figures: prefill is the same
-work for every method, and the one-time measurement of verify costs that a token tree makes before its first round
+is compared is decoding's seconds per new token after the first, from the loop's own figures: prefill is about the
+same work for every method, and the one-time measurement of verify costs that a token tree makes before its first round
 is not counted, as the command line does not count it (--json keeps the seconds with prefill too).
 
 How to read the table (one per model; a row per workload): each method's cell is its speedup over plain decoding,
@@ -286,10 +286,9 @@ def summary(runs: dict) -> dict:
 # ---- the report ----------------------------------------------------------------------------------------------------
 
 def machine(device) -> dict:
-    cpu = device.type == "cpu"
     return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "device": cpu_gemv.cpu_name() if cpu else torch.cuda.get_device_name(device),
-            "cpu_kernels": cpu_gemv.kernels if cpu else None, "threads": torch.get_num_threads()}
+            "cpu": cpu_gemv.cpu_name(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+            device.type, "cpu_kernels": cpu_gemv.kernels, "threads": torch.get_num_threads()}
 
 
 def commit() -> Optional[str]:
@@ -333,13 +332,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=cli.positive_int, default=2, help="timed runs of every method on every prompt")
     p.add_argument("--new_tokens", type=cli.positive_int, default=128, help="tokens generated per run")
     p.add_argument("--seed", type=int, default=0, help="picks the source files, windows and questions")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument("--compile", action="store_true", help="compile the steps, as speculative.py --compile does")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write every figure")
     args = cli.one_line_errors(p).parse_args(argv)
     cli.check_output_file(args.json, "--json", '"machine"')
-    device = torch.device(args.device)
+    device = cli.resolve_device(args.device)
     if device.type == "cpu":
         cli.set_threads(args.threads)
     steps = generate.build_steps(args.compile)
@@ -349,7 +348,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="bench_speculative-") as work:
         for name in args.models:
             results["models"][name] = bench_model(name, Path(work), args, device, steps)
-    results["machine"]["cpu_kernels"] = cpu_gemv.kernels if device.type == "cpu" else None  # known once loaded
+    results["machine"]["cpu_kernels"] = cpu_gemv.kernels  # known once a model has loaded them
     for name, m in results["models"].items():
         print_table(name, m, args.methods, args)
     cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))

@@ -83,7 +83,7 @@ def test_bench_speculative_times_each_method_against_plain_decoding_and_writes_j
                             cwd=ROOT)
     assert result.returncode == 0, result.stderr
     r = json.loads(out.read_text())
-    assert {"platform", "device", "cpu_kernels", "threads"} <= set(r["machine"]) and r["date"]
+    assert {"platform", "cpu", "cpu_kernels", "threads"} <= set(r["machine"]) and r["date"]
     workload = r["models"]["builtin"]["workloads"]["repetitive"]
     methods = workload["methods"]
     assert set(methods) == {"plain", *FORCED} and workload["best_forced"] in FORCED
