@@ -317,6 +317,31 @@ def print_table(name: str, m: dict, methods: list[str], args):
         print(f"| {WORKLOADS[w]} | {rate:.1f} | " + " | ".join(cells) + f" | {best} | {same} |")
 
 
+def plot(results: dict, path: Path):
+    """A panel per model, in it a group of bars per workload and a bar per method: the speedups of the table."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    models = results["models"]
+    fig, axes = plt.subplots(len(models), 1, figsize=(9, 3.2 * len(models)), squeeze=False)
+    for ax, (name, m) in zip(axes[:, 0], models.items()):
+        workloads = list(m["workloads"])
+        methods = [x for x in METHODS if x in m["workloads"][workloads[0]]["methods"]]
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(workloads))]
+            ax.bar(xs, [m["workloads"][w]["methods"][method]["speedup"] for w in workloads], width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(workloads)), [WORKLOADS[w] for w in workloads])
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(f"{name}, {m['weights']} weights; {results['machine']['cpu']}, {results['new_tokens']} new "
+                     f"tokens, greedy", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(methods))
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="builtin: the built-in "
@@ -335,9 +360,11 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument("--compile", action="store_true", help="compile the steps, as speculative.py --compile does")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
-    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write every figure")
+    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write every figure "
+                   "(and, with matplotlib installed, a bar chart of the speedups beside it, as .png)")
     args = cli.one_line_errors(p).parse_args(argv)
     cli.check_output_file(args.json, "--json", '"machine"')
+    cli.check_output_file(args.json.with_suffix(".png"), "--json", "Matplotlib")
     device = cli.resolve_device(args.device)
     if device.type == "cpu":
         cli.set_threads(args.threads)
@@ -353,6 +380,11 @@ def main(argv=None):
         print_table(name, m, args.methods, args)
     cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
     print(f"\nwrote {args.json}")
+    if importlib.util.find_spec("matplotlib") is None:
+        print("no plot: matplotlib is not installed")
+    else:
+        cli.write_file(args.json.with_suffix(".png"), lambda tmp: plot(results, tmp))
+        print(f"wrote {args.json.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
