@@ -76,19 +76,22 @@ FORCED = ["draft", "tree", "staged", "lookup", "suffix", "lookahead"]
 
 
 def test_bench_speculative_times_each_method_against_plain_decoding_and_writes_json(tmp_path):
+    import speculative
+    methods = (["auto"] if "auto" in speculative.SPECULATE else []) + FORCED
     out = tmp_path / "spec.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_speculative.py"), "--models", "builtin",
-                             "--workloads", "repetitive", "--methods", *FORCED, "--prompts", "1", "--rounds", "1",
+                             "--workloads", "repetitive", "--methods", *methods, "--prompts", "1", "--rounds", "1",
                              "--new_tokens", "8", "--json", str(out)], capture_output=True, text=True, timeout=300,
                             cwd=ROOT)
     assert result.returncode == 0, result.stderr
     r = json.loads(out.read_text())
     assert {"platform", "cpu", "cpu_kernels", "threads"} <= set(r["machine"]) and r["date"]
     workload = r["models"]["builtin"]["workloads"]["repetitive"]
-    methods = workload["methods"]
-    assert set(methods) == {"plain", *FORCED} and workload["best_forced"] in FORCED
-    assert methods["plain"]["same"] is True and methods["plain"]["speedups"] == [1.0]
-    for m in methods.values():  # one round of one prompt: one timed run, its tokens and figures
+    runs = workload["methods"]
+    assert set(runs) == {"plain", *methods} and workload["best_forced"] in FORCED
+    assert ("auto_over_best" in workload) == ("auto" in methods)
+    assert runs["plain"]["same"] is True and runs["plain"]["speedups"] == [1.0]
+    for m in runs.values():  # one round of one prompt: one timed run, its tokens and figures
         [[run]] = m["runs"]
         assert m["speedup"] > 0 and run["decode_s"] > 0 and len(run["tokens"]) == 8
     assert "| repetitive text |" in result.stdout
