@@ -99,9 +99,9 @@ def function_window(text: str, rng: random.Random) -> str:
     return lines_upto(text[rng.choice(starts or [0]):], CODE_CHARS)
 
 
-def renamed_variable(code: str) -> tuple[str, str]:
-    """The lower-case name the code uses most (not in strings or comments; not an attribute, a keyword, a builtin or
-    self) and a new name for it."""
+def rename_request(code: str) -> str:
+    """A request to rename the lower-case name the code uses most (not in strings or comments; not an attribute, a
+    keyword, a builtin or self) and give the code back: the answer copies the code, with a change."""
     taken, names, last = set(dir(builtins)) | set(keyword.kwlist) | {"self", "cls"}, Counter(), None
     try:
         for tok in tokenize.generate_tokens(io.StringIO(code).readline):
@@ -112,7 +112,8 @@ def renamed_variable(code: str) -> tuple[str, str]:
     except (tokenize.TokenError, SyntaxError):  # a window may end inside a bracket: the names before it count
         pass
     name = names.most_common(1)[0][0] if names else "value"
-    return name, f"new_{name}"
+    return (f"Rewrite this code with the name `{name}` renamed to `new_{name}`, and give back the whole code:\n"
+            f"```python\n{code}```")
 
 
 def repetitive_texts(rng: random.Random) -> dict[str, str]:
@@ -163,9 +164,7 @@ def workload_texts(name: str, chat: bool, n: int, seed: int, count: Callable[[st
         if not chat:  # a base model copies when the text repeats: the window, then its start again
             windows = [(fit(w, count, tokens * 3 // 4), where) for w, where in windows]
             return [(w + "\n\n" + lines_upto(w, len(w) // 3), False, where) for w, where in windows]
-        asks = [(fit(w, count, tokens), where, *renamed_variable(w)) for w, where in windows]
-        return [(f"Rewrite this code with the variable `{x}` renamed to `{y}`, and give back the whole code:\n"
-                 f"```python\n{w}```", True, where) for w, where, x, y in asks]
+        return [(rename_request(fit(w, count, tokens)), True, where) for w, where in windows]
     if name == "repetitive":
         return [(fit(t, count, tokens), False, kind)
                 for kind, t in rng.sample(list(repetitive_texts(rng).items()), min(n, 3))]
