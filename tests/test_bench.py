@@ -16,19 +16,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench import probe_ones  # noqa: E402
 
 
-def test_bench_speculative_quick_runs_every_row_and_writes_json(tmp_path):
-    out = tmp_path / "spec.json"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_speculative.py"), "--quick", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    sets = json.loads(out.read_text())["sets"]
-    rows = {"plain", "prompt lookup, n=3, K<=8", "draft tree, <=32 nodes", "staged draft tree, <=32 nodes",
-            "suffix, <=32 nodes", "lookahead, <=32 nodes"}
-    assert sets and all(rows <= set(r) for r in sets.values())
-    assert all(row["tokens_per_sec"] > 0 for rows in sets.values() for row in rows.values())
-    assert all(0 < row["passes_per_token"] <= 1 for r in sets.values() for label, row in r.items() if label != "plain")
-
-
 def test_bench_guided_pairs_each_run_with_a_guided_one(tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "--guided", "--shapes", "built-in",
@@ -83,3 +70,28 @@ def test_bench_cpu_step_times_both_steps_alternating_and_writes_json(tmp_path):
     assert len(row["compiled_ms"]) == len(row["cpp_ms"]) == len(row["ratios"]) == 3
     assert row["ratios"] == pytest.approx([a / b for a, b in zip(row["compiled_ms"], row["cpp_ms"])])
     assert "| stdlib-target |" in result.stdout
+
+
+FORCED = ["draft", "tree", "staged", "lookup", "suffix", "lookahead"]
+
+
+def test_bench_speculative_times_each_method_against_plain_decoding_and_writes_json(tmp_path):
+    import speculative
+    methods = (["auto"] if "auto" in speculative.SPECULATE else []) + FORCED
+    out = tmp_path / "spec.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_speculative.py"), "--models", "builtin",
+                             "--workloads", "repetitive", "--methods", *methods, "--prompts", "1", "--rounds", "1",
+                             "--new_tokens", "8", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    r = json.loads(out.read_text())
+    assert {"platform", "cpu", "cpu_kernels", "threads"} <= set(r["machine"]) and r["date"]
+    workload = r["models"]["builtin"]["workloads"]["repetitive"]
+    runs = workload["methods"]
+    assert set(runs) == {"plain", *methods} and workload["best_forced"] in FORCED
+    assert ("auto_over_best" in workload) == ("auto" in methods)
+    assert runs["plain"]["same"] is True and runs["plain"]["speedups"] == [1.0]
+    for m in runs.values():  # one round of one prompt: one timed run, its tokens and figures
+        [[run]] = m["runs"]
+        assert m["speedup"] > 0 and run["decode_s"] > 0 and len(run["tokens"]) == 8
+    assert "| repetitive text |" in result.stdout
