@@ -268,7 +268,7 @@ ROWS = {
                                      "not an earlier output"),
     "bench_quantize_unknown_device": (BENCH_Q, lambda t, c, s: ["--device", "tpu"], "tpu"),
     "bench_quantize_repeats_zero": (BENCH_Q, lambda t, c, s: ["--repeats", 0], "--repeats"),
-    "bench_speculative_k_max_zero": (BENCH_S, lambda t, c, s: ["--k_max", 0], "--k_max"),
+    "bench_speculative_rounds_zero": (BENCH_S, lambda t, c, s: ["--rounds", 0], "--rounds"),
     "bench_speculative_unknown_device": (BENCH_S, lambda t, c, s: ["--device", "tpu"], "tpu"),
     "bench_speculative_plot_onto_a_users_file": (BENCH_S, lambda t, c, s: ["--json",
                                                                            user_folder(t, "r.png") / "r.json"],
