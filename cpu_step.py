@@ -12,7 +12,7 @@ rest, which then takes the compiled step: batches, left padding, token trees, fl
 tensor parallelism (its all-reduces are modules this step does not know). Being a second implementation of that
 forward, it checks itself against it when first made for a model (agrees)."""
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ class Step:
         # cpp (csrc/ops.cpp's Step) holds pointers into the model's tensors as they were (see step) and no references,
         # so that setup_caches can free an old cache before it allocates the new one
         self.model, self.cpp = model, cpp
-        self.logits = torch.empty(1, model.args.vocab_size)
+        self.logits, self.many = torch.empty(1, model.args.vocab_size), torch.empty(0, model.args.vocab_size)
 
     def check(self, token: int, pos: int, n: int = 1):
         if not (0 <= token < self.logits.size(1) and 0 <= pos and pos + n <= self.model.max_seq_length):
@@ -64,6 +64,18 @@ class Step:
         token, pos = int(cur), int(input_pos)
         self.check(token, pos)
         return self.cpp.step_greedy(token, pos, self.logits)
+
+    def rows(self, tokens: Tensor, pos: Tensor, base: int, mask: Tensor) -> Tensor:  # [M], [M], [M, base + M] -> [M, V]
+        """A verify pass: the logits [M, V] float32 of tokens at slots base .. base + M - 1, at RoPE positions pos,
+        row i attending to the slots mask[i] holds; each row as the step computes it alone (the kernels are
+        batch-invariant), in a buffer the next call rewrites."""
+        M = tokens.numel()
+        self.check(int(tokens.min()), base, M)
+        self.check(int(tokens.max()), base, M)
+        if self.many.size(0) < M:
+            self.many = torch.empty(M, self.logits.size(1))
+        self.cpp.rows(tokens.contiguous(), pos.contiguous(), base, mask.contiguous(), self.many)
+        return self.many[:M]
 
     def greedy_loop(self, token: int, pos: int, out: Tensor, eos: Optional[Tensor]) -> int:
         """Greedy decoding from token at slot pos into out [n] int64, a step a token, each fed the last pick: until
@@ -181,3 +193,41 @@ def step(model: Transformer, loop: Tensor) -> Optional[Step]:
         cached = (loop, step_for(model))
         model.__dict__["_cpu_step"] = cached
     return cached[1]
+
+
+class Rows:
+    """model's forward over a verify pass's positions as the C++ step's rows, for the step functions that only call
+    it (generate.verify, generate.tree_probs): so that a verify pass computes what decoding computes, bit for bit."""
+    def __init__(self, step: Step):
+        self.step = step
+
+    def __call__(self, idx: Tensor, input_pos: Tensor, left_pad, kv_len: int, mask: Optional[Tensor] = None,
+                 pos: Optional[Tensor] = None) -> Tensor:  # idx [1, S], input_pos [S] slots, mask [S, kv_len] -> [1, S, V]
+        S, base = idx.size(1), int(input_pos[0])
+        mask = torch.ones(S, base + S, dtype=torch.bool).tril(base) if mask is None else mask[:, : base + S]
+        return self.step.rows(idx[0], input_pos if pos is None else pos, base, mask)[None]
+
+
+def rows_for(model: Transformer, idx: Tensor) -> Optional[Rows]:
+    """The C++ step's rows for a verify pass over idx [1, S] on model, or None where they cannot run it: kept while
+    the model keeps its cache (set up anew, it gets a new step)."""
+    cache = model.layers[0].attention.kv_cache.k_cache if len(model.layers) else None
+    if idx.shape[0] != 1 or idx.size(1) > cpu_gemv.MAX_ROWS or idx.device.type != "cpu" or model.args.sliding_window:
+        return None
+    cached = model.__dict__.get("_cpu_rows")
+    if cached is None or cached[0] is not cache:
+        step = step_for(model)
+        cached = (cache, Rows(step) if step is not None else None)
+        model.__dict__["_cpu_rows"] = cached
+    return cached[1]
+
+
+def verify_or(compiled: Callable, eager: Callable) -> Callable:
+    """A verify or token-tree step (generate.verify or tree_probs, eager) on the C++ step's rows where they run the
+    model, compiled elsewhere. A grammar's masks (verify's bits) take the compiled step, as guided decoding does."""
+    def run(model, tokens, input_pos, kv_len, *rest, **sampling):
+        guided = eager.__name__ == "verify" and (rest[0] if rest else sampling.get("bits")) is not None
+        rows = None if guided else rows_for(model, tokens)
+        return compiled(model, tokens, input_pos, kv_len, *rest, **sampling) if rows is None else \
+            eager(rows, tokens, input_pos, kv_len, *rest, **sampling)
+    return run

@@ -179,10 +179,8 @@ class Steps:
 
 
 def cpu_or(compiled: Callable) -> Callable:
-    """decode_one_token as one C++ call (cpu_step.py) for a batch-1 step of a CPU model that step runs exactly;
-    anything else through compiled."""
+    """decode_one_token as one C++ call (cpu_step.py) where it runs a batch-1 step exactly; else compiled."""
     import cpu_step  # only where a compiled step was asked for: it needs the CPU kernels
-
     def decode(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]
         cpu = cpu_step.step(model, input_pos) if cur.shape == (1, 1) and left_pad is None and \
             cur.device.type == "cpu" else None
@@ -214,9 +212,11 @@ def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Ste
     CPU model's batch-1 decoding runs the C++ step."""
     step = compile_step if compile else (lambda f: f)
     first = compile_prefill if compile_prefill_too else (lambda f: f)
+    import cpu_step  # verify passes on its rows where it decodes: they compute what its decode step does
+    rows = (lambda f: cpu_step.verify_or(step(f), f)) if compile else step
     return Steps(first(prefill), cpu_or(step(decode_one_token)) if compile else decode_one_token,
-                 first(decode_logits), step(decode_logits), step(pick), step(draft_step), step(verify),
-                 step(tree_probs), step(draft_probs), cpu_greedy_loop if compile else None)
+                 first(decode_logits), step(decode_logits), step(pick), step(draft_step), rows(verify),
+                 rows(tree_probs), step(draft_probs), cpu_greedy_loop if compile else None)
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------

@@ -66,6 +66,11 @@ void attend_int8(const uint16_t* q, const int8_t* k, const float* ks, const int8
 // logits [vocab] float32 of token at cache slot pos; its K and V are written there
 void decode_step(const Model& m, int64_t token, int64_t pos, float* logits);
 
+// logits [M, vocab] float32 of tokens [M] at cache slots base .. base + M - 1, RoPE positions pos [M], each
+// attending to the slots its row of mask [M, base + M] (bytes) holds; each row as decode_step computes it alone
+void forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
+                  const uint8_t* mask, float* logits);
+
 // the greedy token of logits [V]: the first index of the largest, or -1 where one is not finite
 int64_t greedy(const float* logits, int64_t V);
 
@@ -85,6 +90,7 @@ struct KernelSet {
     decltype(&fast_decode::attend) attend;
     decltype(&fast_decode::attend_int8) attend_int8;
     decltype(&fast_decode::decode_step) decode_step;
+    decltype(&fast_decode::forward_rows) forward_rows;
     decltype(&fast_decode::greedy) greedy;
     decltype(&fast_decode::decode_greedy) decode_greedy;
 };

@@ -152,6 +152,15 @@ struct Step : torch::CustomClassHolder {
     // logits [1, vocab] float32 of token at cache slot pos
     void step(int64_t token, int64_t pos, const Tensor& logits) { k.decode_step(m, token, pos, ptr<float>(logits)); }
 
+    // logits [M, vocab] float32 of tokens [M] int64 at slots base .. base + M - 1, RoPE positions pos [M] int64,
+    // row i attending to the slots mask [M, base + M] bool holds: a verify pass, each row as step computes it
+    void rows(const Tensor& tokens, const Tensor& pos, int64_t base, const Tensor& mask, const Tensor& logits) {
+        const int64_t M = tokens.numel();
+        TORCH_CHECK(pos.numel() == M && mask.dim() == 2 && mask.size(0) == M && mask.size(1) == base + M &&
+                    mask.is_contiguous() && logits.size(0) >= M && base + M <= m.slots, "Step.rows: shapes");
+        k.forward_rows(m, ptr<int64_t>(tokens), ptr<int64_t>(pos), M, base, ptr<uint8_t>(mask), ptr<float>(logits));
+    }
+
     // the greedy token of logits [1, vocab]: the first largest, or -1 where one is not finite
     int64_t greedy(const Tensor& logits) { return k.greedy(ptr<float>(logits), logits.numel()); }
 
@@ -184,6 +193,7 @@ TORCH_LIBRARY(fast_decode, m) {
                          int64_t, double>())
         .def("add_layer", &Step::add_layer)
         .def("step", &Step::step)
+        .def("rows", &Step::rows)
         .def("greedy", &Step::greedy)
         .def("step_greedy", &Step::step_greedy)
         .def("greedy_loop", &Step::greedy_loop);

@@ -55,6 +55,17 @@ static void quantize_row(const uint16_t* x, int8_t* q, float* scale, int64_t D, 
     }
 }
 
+// act [hidden] = silu(gate) * up of gu [2 * hidden] (the gate's, then the up's), in fp32, rounded once, as inductor
+// fuses it
+static void silu_mul(const uint16_t* gu, uint16_t* act, int64_t hidden) {
+    for (int64_t j = 0; j < hidden; j += 8) {
+        const __m256 g = widen8(&gu[j]), u = widen8(&gu[hidden + j]);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        store8(&act[j], _mm256_mul_ps(s, u));
+    }
+}
+
 using namespace fast_decode;
 
 static void product(const Linear& l, const uint16_t* x, void* y, int64_t f32 = 0) {
@@ -109,17 +120,80 @@ void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float*
         add(x.data(), y.data(), m.dim);
         rmsnorm(x.data(), l.ffn_norm, xn.data(), m.dim, m.eps);
         product(l.w13, xn.data(), gu.data());
-        for (int64_t j = 0; j < m.hidden; j += 8) {  // silu(gate) * up in fp32, rounded once, as inductor fuses it
-            const __m256 g = widen8(&gu[j]), u = widen8(&gu[m.hidden + j]);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            const __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-            store8(&act[j], _mm256_mul_ps(s, u));
-        }
+        silu_mul(gu.data(), act.data(), m.hidden);
         product(l.w2, act.data(), y.data());
         add(x.data(), y.data(), m.dim);
     }
     rmsnorm(x.data(), m.norm, xn.data(), m.dim, m.eps);
     product(m.out, xn.data(), logits, 1);
+}
+
+// rows of x (stride apart) through l into y (ystride apart): one product of all rows where l is bf16 and x packed,
+// else a product a row; either way each row comes out as the one-row step computes it (the bf16 product reads the
+// weights once for all rows and sums every row alike; the quantized ones round x and sum in other orders for more
+// rows than one)
+static void products(const Linear& l, const uint16_t* x, int64_t stride, int64_t M, void* y, int64_t ystride,
+                     int64_t f32 = 0) {
+    if (l.kind == 0 && stride == l.k) return gemv_bf16(x, (const uint16_t*)l.w, y, M, l.n, l.k, f32);
+    for (int64_t i = 0; i < M; i++) product(l, x + i * stride, (char*)y + i * ystride * (f32 ? 4 : 2), f32);
+}
+
+// logits [M, vocab] float32 of tokens [M] at cache slots base .. base + M - 1, RoPE positions pos [M] (a token
+// tree's depths, or the slots), each attending to the slots its row of mask [M, base + M] holds: a verify pass, each
+// row computing what decode_step computes for it alone (the kernels are batch-invariant). No sliding window.
+void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
+                               const uint8_t* mask, float* logits) {
+    const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D, L = base + M;
+    int64_t cap = m.out.k;
+    for (const Linear* l : {&m.layers[0].qkv, &m.layers[0].o, &m.layers[0].w13, &m.layers[0].w2})
+        cap = l->k > cap ? l->k : cap;
+    static thread_local vec<uint16_t> x, xn, qkv, q, att, ho, y, gu, act;
+    for (vec<uint16_t>* v : {&xn, &att, &act}) v->assign(M * cap, 0);
+    x.resize(M * m.dim), qkv.resize(M * (qn + 2 * kvn)), q.resize(M * qn), ho.resize(M * qn), y.resize(M * m.dim);
+    gu.resize(M * 2 * m.hidden);
+    for (int64_t i = 0; i < M; i++) memcpy(&x[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
+    for (int64_t li = 0; li < m.n_layer; li++) {
+        const Layer& l = m.layers[li];
+        for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], l.attn_norm, &xn[i * cap], m.dim, m.eps);
+        products(l.qkv, xn.data(), cap, M, qkv.data(), qn + 2 * kvn);
+        for (int64_t i = 0; i < M; i++) {  // bias, RoPE and the cache write a row; q to [H, M, D] for attend
+            uint16_t *qi = &qkv[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
+            if (l.bqkv) add(qi, l.bqkv, qn + 2 * kvn);
+            rope(qi, m.freqs + pos[i] * D, H, D);
+            rope(k, m.freqs + pos[i] * D, Hkv, D);
+            for (int64_t h = 0; h < H; h++) memcpy(&q[(h * M + i) * D], qi + h * D, 2 * D);
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t at = h * m.slots + base + i;
+                if (!l.ks) {
+                    memcpy((uint16_t*)l.k + at * D, k + h * D, 2 * D);
+                    memcpy((uint16_t*)l.v + at * D, v + h * D, 2 * D);
+                } else {
+                    quantize_row(k + h * D, (int8_t*)l.k + at * D, l.ks + at, D, D);
+                    quantize_row(v + h * D, (int8_t*)l.v + at * D, l.vs + at * m.vb, D, D / m.vb);
+                }
+            }
+        }
+        if (!l.ks)
+            attend(q.data(), (uint16_t*)l.k, (uint16_t*)l.v, mask, ho.data(), 1, H, Hkv, M, L, D, Hkv * m.slots * D,
+                   m.slots * D, 0);
+        else
+            attend_int8(q.data(), (int8_t*)l.k, l.ks, (int8_t*)l.v, l.vs, mask, ho.data(), 1, H, Hkv, M, L, D,
+                        Hkv * m.slots * D, m.slots * D, Hkv * m.slots, m.slots, Hkv * m.slots * m.vb, m.slots * m.vb,
+                        0);
+        for (int64_t i = 0; i < M; i++)  // [H, M, D] back to rows
+            for (int64_t h = 0; h < H; h++) memcpy(&att[i * cap + h * D], &ho[(h * M + i) * D], 2 * D);
+        products(l.o, att.data(), cap, M, y.data(), m.dim);
+        for (int64_t i = 0; i < M; i++) {
+            add(&x[i * m.dim], &y[i * m.dim], m.dim);
+            rmsnorm(&x[i * m.dim], l.ffn_norm, &xn[i * cap], m.dim, m.eps);
+        }
+        products(l.w13, xn.data(), cap, M, gu.data(), 2 * m.hidden);
+        for (int64_t i = 0; i < M; i++) silu_mul(&gu[i * 2 * m.hidden], &act[i * cap], m.hidden);
+        products(l.w2, act.data(), cap, M, y.data(), m.dim);
+        for (int64_t i = 0; i < M; i++) add(&x[i * m.dim], &y[i * m.dim], m.dim);
+    }
+    for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], m.norm, &xn[i * cap], m.dim, m.eps);
+    products(m.out, xn.data(), cap, M, logits, m.out.n, 1);
 }
 
 // the greedy token of logits [V]: the first index of the largest (torch.argmax's), or -1 where one is not finite
