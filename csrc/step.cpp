@@ -68,6 +68,21 @@ static void silu_mul(const uint16_t* gu, uint16_t* act, int64_t hidden) {
 
 using namespace fast_decode;
 
+// one position's K and V [Hkv, D] into layer l's cache at slot: as they are, or rounded to int8 with their scales
+static void store_kv(const Model& m, const Layer& l, const uint16_t* k, const uint16_t* v, int64_t slot) {
+    const int64_t D = m.head_dim;
+    for (int64_t h = 0; h < m.n_kv_head; h++) {
+        const int64_t at = h * m.slots + slot;
+        if (!l.ks) {
+            memcpy((uint16_t*)l.k + at * D, k + h * D, 2 * D);
+            memcpy((uint16_t*)l.v + at * D, v + h * D, 2 * D);
+        } else {
+            quantize_row(k + h * D, (int8_t*)l.k + at * D, l.ks + at, D, D);
+            quantize_row(v + h * D, (int8_t*)l.v + at * D, l.vs + at * m.vb, D, D / m.vb);
+        }
+    }
+}
+
 static void product(const Linear& l, const uint16_t* x, void* y, int64_t f32 = 0) {
     if (l.kind == 0) gemv_bf16(x, (const uint16_t*)l.w, y, 1, l.n, l.k, f32);
     else if (l.kind == 1) gemv_int8(x, (const int8_t*)l.w, (const uint16_t*)l.scales, y, 1, l.n, l.k, f32);
@@ -99,16 +114,7 @@ void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float*
         uint16_t *q = qkv.data(), *k = q + qn, *v = k + kvn;
         rope(q, cs, H, D);
         rope(k, cs, Hkv, D);
-        for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t at = h * m.slots + pos;
-            if (!l.ks) {
-                memcpy((uint16_t*)l.k + at * D, k + h * D, 2 * D);
-                memcpy((uint16_t*)l.v + at * D, v + h * D, 2 * D);
-            } else {
-                quantize_row(k + h * D, (int8_t*)l.k + at * D, l.ks + at, D, D);
-                quantize_row(v + h * D, (int8_t*)l.v + at * D, l.vs + at * m.vb, D, D / m.vb);
-            }
-        }
+        store_kv(m, l, k, v, pos);
         if (!l.ks)
             attend(q, (uint16_t*)l.k + start * D, (uint16_t*)l.v + start * D, mask.data(), att.data(), 1, H, Hkv, 1,
                    L, D, Hkv * m.slots * D, m.slots * D, 0);
@@ -162,16 +168,7 @@ void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int6
             rope(qi, m.freqs + pos[i] * D, H, D);
             rope(k, m.freqs + pos[i] * D, Hkv, D);
             for (int64_t h = 0; h < H; h++) memcpy(&q[(h * M + i) * D], qi + h * D, 2 * D);
-            for (int64_t h = 0; h < Hkv; h++) {
-                const int64_t at = h * m.slots + base + i;
-                if (!l.ks) {
-                    memcpy((uint16_t*)l.k + at * D, k + h * D, 2 * D);
-                    memcpy((uint16_t*)l.v + at * D, v + h * D, 2 * D);
-                } else {
-                    quantize_row(k + h * D, (int8_t*)l.k + at * D, l.ks + at, D, D);
-                    quantize_row(v + h * D, (int8_t*)l.v + at * D, l.vs + at * m.vb, D, D / m.vb);
-                }
-            }
+            store_kv(m, l, k, v, base + i);
         }
         if (!l.ks)
             attend(q.data(), (uint16_t*)l.k, (uint16_t*)l.v, mask, ho.data(), 1, H, Hkv, M, L, D, Hkv * m.slots * D,
