@@ -4,6 +4,7 @@ longest path the target agrees with is kept, plus one token of the target's own.
 after its first miss; a tree spends the same pass on the alternatives (SpecInfer, Miao et al. 2024; EAGLE-2).
 
 Proposers:
+- Lookup: prompt lookup's chain (what followed the last earlier occurrence of the context's last n-gram).
 - Suffix: the most frequent continuations of the context's longest matching suffix, from a suffix trie over all
   the text seen so far, the prompt and everything generated, across chat turns (SuffixDecoding, Oliaro et al.
   2024). No draft model; strong where the output repeats earlier text: editing code, quoting a document.
@@ -154,6 +155,38 @@ def compact(model, base: int, nodes: list[int]):
 
 
 # ---- proposers ---------------------------------------------------------------------------------------------------
+
+def prompt_lookup(history: list[int], ngram: int, k: int) -> list[int]:
+    """k tokens copied from after the most recent earlier occurrence of history's last n tokens, trying n = ngram
+    first and shorter n-grams after it. The copy may run into the tokens it is producing, as in LZ77, so a
+    repeating pattern is continued for all k tokens even when its period is short."""
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                seq = history[start + n :]
+                while len(seq) < k:
+                    seq = seq + seq[: k - len(seq)]
+                return seq[:k]
+    return []
+
+
+class Lookup:
+    """Prompt lookup as a chain: what followed the most recent earlier occurrence of the context's last n-gram
+    (see prompt_lookup), each guess scored below the one before it; the Sizer calibrates the scores."""
+
+    def __init__(self, ngram: int = 3):
+        self.ngram = ngram
+
+    def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
+        tree = Tree([context[-1]])
+        for i, token in enumerate(prompt_lookup(context, self.ngram, budget - 1)):
+            tree.add(i, token, 0.9 ** (i + 1))
+        return tree
+
+    def accepted(self, kept: list[int], tree: Tree, p: Tensor):  # the next propose() reads the context
+        pass
+
 
 class Suffix:
     """A suffix trie over the text seen so far: a node per distinct substring of up to `depth` tokens, with the
@@ -444,10 +477,11 @@ class Sizer:
 def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32, *,
                   eos_ids=None, callback: Optional[Callable] = None, steps: Steps = Steps(),
                   stop: Optional[Callable] = None, cached: int = 0, sizer: Optional[Sizer] = None,
-                  **sampling) -> Generation:
-    """Batch-1 generation, each round verifying a tree of up to max_nodes tokens from proposer (Suffix or
-    DraftTree). sizer: keeps the verify costs between calls (they are measured on the first); eos_ids, callback,
-    stop and cached: as generate.generate."""
+                  method: str = "tree", **sampling) -> Generation:
+    """Batch-1 generation, each round verifying a tree of up to max_nodes tokens from proposer (Lookup, Suffix,
+    Lookahead or DraftTree). sizer: keeps the verify costs between calls (they are measured on the first); a
+    choose.Chooser is both, and names each round's method itself. method: the name the metrics count the rounds
+    that proposed under. eos_ids, callback, stop and cached: as generate.generate."""
     if max_nodes < 1:
         raise ValueError(f"the tree needs at least 1 node, got {max_nodes}")
     device, T, draft = model.tok_embeddings.weight.device, len(prompt), getattr(proposer, "draft", None)
@@ -472,9 +506,12 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
     if cur == generate.NOT_FINITE:
         raise generate.not_finite(0)
     out, emitted, accepted, eos, pos, proposed, sizes = [], [cur], [], set(eos_ids or ()), T, 0, {}
+    methods, made = {}, None  # the new tokens after the first, by the method of the round that made them
     while True:
         for token in emitted:
             out.append(token)
+            if made is not None:
+                methods[made] = methods.get(made, 0) + 1
             if token in eos or len(out) >= max_new_tokens:
                 break
         if callback is not None:
@@ -502,8 +539,10 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
         proposed += len(tree.tokens) - 1
         sizes[len(tree.tokens)] = sizes.get(len(tree.tokens), 0) + 1
         emitted = [tree.tokens[i] for i in path[1:]] + [nxt]
+        made = getattr(sizer, "method", method) if len(tree.tokens) > 1 else "plain"
         pos += len(path)
     device_sync(device)
     decode_s = time.perf_counter() - t0 - prefill_s
     return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, len(out) - 1,
-                      sum(accepted), peak_memory_gb(device), proposed, accepted, tree_sizes=dict(sorted(sizes.items())))
+                      sum(accepted), peak_memory_gb(device), proposed, accepted, tree_sizes=dict(sorted(sizes.items())),
+                      methods=methods)
