@@ -222,7 +222,8 @@ SPECULATE = ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead")
 
 def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[str] = "auto", draft=None,
               speculate_k: int = 4, ngram: Optional[int] = 3, adaptive: bool = True, max_nodes: int = 32,
-              guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None, **sampling) -> Callable:
+              guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None,
+              chooser: Optional[choose.Chooser] = None, **sampling) -> Callable:
     """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0) -> Generation.
     speculate: "auto" (the default: each round the method that pays best so far, among prompt lookup, suffix,
     lookahead and, with a draft model, its chain, tree and staged tree, or plain decoding when none pays; see
@@ -230,8 +231,9 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
     the draft model, its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft
     model), "lookup" (prompt lookup over ngram tokens), "suffix" or "lookahead" (token trees without a draft
     model). "auto" decodes plainly with a grammar (guide), under tensor parallelism (parallel) and for batches of
-    more than one prompt. The loop keeps its proposers and measured costs from call to call (a chat's turns);
-    under tensor parallelism the draft is replicated on every rank."""
+    more than one prompt. The loop keeps its proposers and measured costs from call to call (a chat's turns), and
+    so does a chooser passed in (choose.auto's) from loop to loop; under tensor parallelism the draft is replicated
+    on every rank."""
     speculate = None if speculate == "plain" else speculate
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate {speculate!r}; use one of plain, {', '.join(SPECULATE)}")
@@ -254,7 +256,7 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
             raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
         return prompts[0]
     if speculate == "auto":  # one chooser, with its measured costs and rates, for every call
-        chooser, plain = choose.auto(draft, steps.draft_tree, ngram or 3), generate.plain_loop(
+        chooser, plain = chooser or choose.auto(draft, steps.draft_tree, ngram or 3), generate.plain_loop(
             model, max_new_tokens=max_new_tokens, steps=steps, **sampling)
         return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: trees.tree_generate(
             model, prompts[0], max_new_tokens, chooser, max_nodes, eos_ids=eos_ids, callback=callback, steps=steps,
