@@ -272,7 +272,7 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
     return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: speculative_generate(
         model, batch_of_one(prompts), max_new_tokens, speculate_k, draft=draft,
-        ngram=ngram if speculate == "lookup" else None, adaptive=adaptive, eos_ids=eos_ids, callback=callback,
+        ngram=(ngram or 3) if speculate == "lookup" else None, adaptive=adaptive, eos_ids=eos_ids, callback=callback,
         steps=steps, agree=agree, stop=stop, cached=cached, guide=guide, **sampling)
 
 

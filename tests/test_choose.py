@@ -164,3 +164,34 @@ def test_sampled_auto_has_the_target_distribution(sampling):
         guessed += out.drafted > 0
     assert guessed > 1000  # most runs verified guesses
     assert chi_square_p_value(counts, joint) > 1e-3
+
+
+# ---- the command line --------------------------------------------------------------------------------------------
+
+def test_cli_chooses_by_default_and_keeps_plain_greedy_output(pair):  # noqa: F811
+    from test_speculative import run_cli
+    args = ("--checkpoint_path", pair[0], "--max_new_tokens", 16, "--temperature", 0, "--ignore_eos",
+            "--dtype", "float32")
+    auto, plain = run_cli(*args, "--draft_checkpoint_path", pair[1]), run_cli(*args, "--speculate", "plain")
+    assert auto.returncode == 0 and plain.returncode == 0, auto.stderr + plain.stderr
+    text = lambda r: r.stdout.split("Sample 1/1")[0]  # noqa: E731  (the load line and the text)
+    assert text(auto) == text(plain)
+    assert "\nmethods: " in auto.stdout and "methods:" not in plain.stdout
+
+
+@pytest.mark.parametrize("flags, method", [(("--prompt_lookup", 2), "lookup"), (("--suffix",), "suffix"),
+                                           (("--speculate", "lookahead"), "lookahead")])
+def test_cli_flags_still_force_one_method(pair, flags, method):  # noqa: F811
+    from test_speculative import run_cli
+    r = run_cli("--checkpoint_path", pair[0], *flags, "--max_new_tokens", 12, "--temperature", 0, "--ignore_eos")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("methods: "))
+    assert set(part.split()[0] for part in line[len("methods: "):].split(", ")) <= {method, "plain"}
+
+
+@pytest.mark.parametrize("flags, message", [(("--speculate", "tree"), "--speculate tree needs --draft_checkpoint_path"),
+                                            (("--speculate", "suffix", "--prompt_lookup", 2), "two methods"),
+                                            (("--speculate", "lookup", "--batch_size", 2), "batch size 1")])
+def test_cli_rejects_contradicting_methods(pair, flags, message):  # noqa: F811
+    from test_speculative import one_line_error, run_cli
+    assert message in one_line_error(run_cli("--checkpoint_path", pair[0], *flags))
