@@ -230,10 +230,10 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
     choose.Chooser), None or "plain" (plain decoding, any batch), or one batch-1 proposer: "draft" (a chain from
     the draft model, its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft
     model), "lookup" (prompt lookup over ngram tokens), "suffix" or "lookahead" (token trees without a draft
-    model). "auto" decodes plainly with a grammar (guide), under tensor parallelism (parallel) and for batches of
-    more than one prompt. The loop keeps its proposers and measured costs from call to call (a chat's turns), and
-    so does a chooser passed in (choose.auto's) from loop to loop; under tensor parallelism the draft is replicated
-    on every rank."""
+    model). "auto" decodes plainly with a grammar (guide) and for batches of more than one prompt; under tensor
+    parallelism (parallel) it runs the draft's chain, whose timings the ranks share, or without a draft decodes
+    plainly. The loop keeps its proposers and measured costs from call to call (a chat's turns), and so does a
+    chooser passed in (choose.auto's) from loop to loop; under tensor parallelism the draft is on every rank."""
     speculate = None if speculate == "plain" else speculate
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate {speculate!r}; use one of plain, {', '.join(SPECULATE)}")
@@ -241,7 +241,9 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
         raise ValueError(f"speculate={speculate!r} needs a draft model")
     if draft is not None and speculate not in ("auto", "draft", "tree", "staged"):
         raise ValueError("a draft model is used only with speculate='auto', 'draft', 'tree' or 'staged'")
-    if speculate == "auto" and (guide is not None or parallel):  # each rank would choose from its own timings
+    if speculate == "auto" and parallel:  # each rank would choose from its own timings: the chain agrees on them
+        speculate = "draft" if draft is not None else None
+    if speculate == "auto" and guide is not None:
         speculate = None
     as_tree = speculate in ("tree", "staged", "suffix", "lookahead")
     if as_tree and guide is not None:
@@ -292,8 +294,9 @@ def parser():
                    "its chain and trees join auto's candidates (or --speculate draft, --tree, --staged force one)")
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="no draft model: propose the tokens that "
                    "followed the last earlier occurrence of the context's last N tokens")
-    p.add_argument("--speculate_k", type=cli.positive_int, default=5, help="with --speculate draft or --prompt_lookup: the most "
-                   "tokens proposed per verify pass; a draft stops earlier when it grows unsure, unless --fixed_k")
+    p.add_argument("--speculate_k", type=cli.positive_int, default=5, help="with --speculate draft or "
+                   "--prompt_lookup: the most tokens proposed per verify pass; a draft stops earlier when it grows "
+                   "unsure, unless --fixed_k")
     p.add_argument("--fixed_k", action="store_true", help="the draft model's chain, always --speculate_k tokens")
     p.add_argument("--tree", action="store_true", help="with --draft_checkpoint_path: the draft proposes a tree (its "
                    "top 4 tokens after each node, the likeliest grown further) instead of a chain")
