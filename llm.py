@@ -72,8 +72,9 @@ class LLM:
         stop (a list of strings), ignore_eos; speculate ("auto", the default: each round the method that pays best
         so far among those below, or plain decoding when none pays, and always for a batch or with a grammar; None
         or "plain"; or one forced: "draft", "tree", "staged", "lookup", "suffix", "lookahead"), speculate_k=4,
-        ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text), regex, grammar (Lark text); chat (the prompt as a user turn in the chat template), system; callback(text),
-        called with the first row's new text after every step."""
+        ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text), regex, grammar (Lark text); chat
+        (the prompt as a user turn in the chat template), system; callback(text), called with the first row's new
+        text after every step."""
         prompts = [prompt] if isinstance(prompt, str) else prompt
         require(isinstance(prompts, list) and prompts and all(isinstance(p, str) and p for p in prompts),
                 "prompt must be a non-empty string or a non-empty list of them")
