@@ -418,9 +418,12 @@ class Sizer:
     passed: int = 0  # rounds that did not propose
     exploring: bool = False  # this round proposes although the last did not pay
     last: list = field(default_factory=list)  # the last tree's scores, best first
+    plain_s: float = 0.0  # seconds per plain decode step, where measured (else cost[1] stands for it)
 
-    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int, **sampling):
-        """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base."""
+    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int,
+                decode: Optional[Callable] = None, **sampling):
+        """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base, and
+        the plain decode step, if given."""
         for n in [s for s in self.sizes if s < max_nodes] + [max_nodes]:
             chain = Tree([0])
             for i in range(n - 1):
@@ -433,6 +436,14 @@ class Sizer:
                 device_sync(slots.device)
                 times.append(time.perf_counter() - t)
             self.cost[n] = min(times[1:])
+        times, one = [], torch.zeros(1, 1, dtype=torch.long, device=slots.device)
+        for _ in range(3 if decode is not None else 0):
+            device_sync(slots.device)
+            t = time.perf_counter()
+            decode(model, one, slots[base : base + 1], None, kv_bucket(base + 1, model.max_seq_length), **sampling)
+            device_sync(slots.device)
+            times.append(time.perf_counter() - t)
+        self.plain_s = min(times[1:], default=0.0)
 
     def alpha(self) -> float:
         return self.kept / self.predicted if self.predicted else 1.0
@@ -445,7 +456,8 @@ class Sizer:
         time, beats plain decoding. If not, every 8th round proposes anyway, so that a proposer that starts to
         guess well (the text turns repetitive) is noticed."""
         self.exploring = False
-        if not self.last or 1 not in self.cost or max(self.rate(self.last, n) for n in self.cost) * self.cost[1] > 1:
+        plain_s = self.plain_s or self.cost.get(1)
+        if not self.last or not plain_s or max(self.rate(self.last, n) for n in self.cost) * plain_s > 1:
             return True
         self.passed += 1
         self.exploring = self.passed % 8 == 0
@@ -501,7 +513,7 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
     device_sync(device)
     prefill_s = time.perf_counter() - t0
     if not sizer.cost:  # once, untimed; slots from T on are free until the first round writes them
-        sizer.measure(model, steps.tree, T, slots, max_nodes, **sampling)
+        sizer.measure(model, steps.tree, T, slots, max_nodes, steps.decode, **sampling)
         t0 = time.perf_counter() - prefill_s
     if cur == generate.NOT_FINITE:
         raise generate.not_finite(0)
@@ -523,16 +535,19 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
         if proposing:
             full = proposer.propose(prompt + out, max_nodes, sizer.worth)
             tree, kept = full.best(sizer.choose(full))
-        else:  # plain decoding this round; a draft reads the tokens it missed next time
-            tree, kept = Tree([out[-1]]), [0]
-        t_verify = time.perf_counter()
-        p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
-        if not bool(torch.isfinite(p[:, 0]).all()):  # tree_probs makes a damaged row NaN throughout
-            raise generate.not_finite(len(out))
-        path, nxt = walk(tree, p, greedy)
-        compact(model, pos, path)
-        if proposing:
+            t_verify = time.perf_counter()
+            p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
+            if not bool(torch.isfinite(p[:, 0]).all()):  # tree_probs makes a damaged row NaN throughout
+                raise generate.not_finite(len(out))
+            path, nxt = walk(tree, p, greedy)
+            compact(model, pos, path)
             proposer.accepted([kept[i] for i in path], tree, p)
+        else:  # plain decoding this round, by plain decoding's own step; a draft reads the tokens it missed next time
+            tree, path = Tree([out[-1]]), [0]
+            nxt = int(steps.decode(model, torch.tensor([[out[-1]]], device=device), slots[pos : pos + 1], None,
+                                   kv_bucket(pos + 1, model.max_seq_length), **sampling)[0])
+            if nxt == generate.NOT_FINITE:
+                raise generate.not_finite(len(out))
         sizer.update(tree, len(path) - 1, t_verify - t if proposing else None, time.perf_counter() - t)
         accepted += [0] * (len(path) - len(accepted))
         accepted[len(path) - 1] += 1
