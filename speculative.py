@@ -5,8 +5,9 @@ copies what followed the most recent earlier occurrence of the context's last n-
 
 One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
 reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU each extra position costs real
-arithmetic, which is why the adaptive rule below measures costs instead of
-assuming them."""
+arithmetic, which is why the rules here measure costs instead of assuming them. Which proposer pays depends on the
+machine and the text, so by default (--speculate auto) each round takes the one that has paid best so far, among
+these and the token trees of trees.py, or decodes plainly when none pays (choose.py)."""
 import os
 import signal
 import sys
@@ -286,9 +287,9 @@ def speculate_of(args) -> str:
 
 def parser():
     p = cli.generate_parser(__doc__)
-    p.add_argument("--speculate", default="auto", choices=("plain",) + SPECULATE, help="auto (the default): each "
-                   "round the method that has paid best so far, or plain decoding when none pays (also with a "
-                   "grammar or a batch); or one method forced: draft (the draft model's chain), tree, staged, "
+    p.add_argument("--speculate", default="auto", choices=SPECULATE + ("plain",), help="auto (the default): each "
+                   "round the method that has paid best so far, or plain decoding when none pays (and always with "
+                   "a grammar or a batch); or one method forced: draft (the draft model's chain), tree, staged, "
                    "lookup, suffix, lookahead, or plain")
     p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer: "
                    "its chain and trees join auto's candidates (or --speculate draft, --tree, --staged force one)")
