@@ -84,7 +84,7 @@ def answer(chat: Conversation, user: str, tokenizer, model, loop: Callable, *, m
     m = result.metrics(0)
     return {"prefill_tokens": result.prompt_tokens, "new_tokens": len(reply), "ttft_ms": m["ttft_ms"],
             "decode_tokens_per_sec": m["decode_tokens_per_sec"], "context_tokens": len(ids) + len(reply),
-            "incomplete": m["incomplete"], "text": text}
+            "incomplete": m["incomplete"], "methods": m["methods"], "text": text}
 
 
 def command(line: str, chat: Conversation, stats: list[dict], model) -> bool:
@@ -153,6 +153,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="as generate.py")
     p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill with dynamic shapes")
+    p.add_argument("--speculate", default="auto", choices=["auto", "plain", "lookup", "suffix", "lookahead"],
+                   help="auto (the default): each round the method that has paid best so far, or plain decoding "
+                   "when none pays (and always with a grammar); or one method forced")
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="speculate by looking the last N "
                    "tokens up in the conversation (good when replies quote it)")
     p.add_argument("--speculate_k", type=cli.positive_int, default=8, help="with --prompt_lookup: tokens per guess")
@@ -167,10 +170,10 @@ def parser() -> argparse.ArgumentParser:
 def load(checkpoint_path: Path, *, max_new_tokens: int, max_seq_length: Optional[int] = None, device: str = "auto",
          dtype: str = "bfloat16", kv_cache_dtype: str = "auto", threads: Optional[int] = None,
          cpu_kernels: str = "auto", compile: bool = False, compile_prefill: bool = False,
-         speculate: Optional[str] = None, speculate_k: int = 8, ngram: Optional[int] = None, max_nodes: int = 32,
+         speculate: Optional[str] = "auto", speculate_k: int = 8, ngram: Optional[int] = None, max_nodes: int = 32,
          grammars: list[str] = (), **sampling):
-    """The checked model, tokenizer and decode loop (speculate: None, "lookup" or "suffix"; grammars: every
-    reply matches them); every check runs before any weight is read."""
+    """The checked model, tokenizer and decode loop (speculate: as speculative.make_loop's, without a draft model;
+    grammars: every reply matches them); every check runs before any weight is read."""
     dev, dt = generate.resolve_device(device), generate.DTYPES[dtype]
     config = checkpoint.plan(checkpoint_path, dev, dt)
     tokenizer = checkpoint.load_tokenizer(checkpoint_path, config)
@@ -185,11 +188,12 @@ def load(checkpoint_path: Path, *, max_new_tokens: int, max_seq_length: Optional
         raise ValueError(f"--max_new_tokens {max_new_tokens} leaves no room for a prompt in a context of {length}")
     checkpoint.plan(checkpoint_path, dev, dt, 1, length, min(length, 2048), kv_int8=kv_cache_dtype == "int8")
     chosen = cli.set_threads(threads, 1) if dev.type == "cpu" else None
+    speculate = None if speculate == "plain" or speculate == "auto" and grammars else speculate
     guide = guided.make_guide(tokenizer, list(grammars), 1, config.vocab_size, speculate_k if speculate else 0)
     model = checkpoint.load_model(checkpoint_path, dev, dt, cpu_kernels)
     model.setup_caches(1, length, generate.KV_DTYPES[kv_cache_dtype])
     loop = speculative.make_loop(model, max_new_tokens=max_new_tokens, speculate=speculate, speculate_k=speculate_k,
-                                 ngram=ngram, max_nodes=max_nodes, guide=guide,
+                                 ngram=ngram, max_nodes=min(max_nodes, tree_nodes(length, max_new_tokens)), guide=guide,
                                  steps=generate.build_steps(compile, compile_prefill), **sampling)
     print(f"Loaded {checkpoint_path} on {dev}{f' ({chosen} threads)' if chosen else ''}, {dtype}"
           f"{cli.kernels_of(model, dev) if dev.type == 'cpu' else ''}; context {length} tokens", file=sys.stderr)
@@ -201,6 +205,11 @@ def load(checkpoint_path: Path, *, max_new_tokens: int, max_seq_length: Optional
     return model, tokenizer, loop
 
 
+def tree_nodes(length: int, max_new_tokens: int) -> int:
+    """The most nodes a token tree verifies: 32, or a quarter of the room a short context leaves the prompt."""
+    return max(1, min(32, (length - max_new_tokens) // 4))
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
     if args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -210,20 +219,23 @@ def main(argv=None):
         raise ValueError("give one of --json_schema, --json, --regex or --grammar: every reply matches it")
     if args.suffix and args.prompt_lookup:
         raise ValueError("use --suffix or --prompt_lookup, not both")
-    if args.suffix and grammars:
-        raise ValueError("--suffix does not support guided generation; use --prompt_lookup")
+    speculate = "lookup" if args.prompt_lookup else "suffix" if args.suffix else args.speculate
+    if args.speculate not in ("auto", speculate):
+        raise ValueError(f"--speculate {args.speculate} and the flag forcing {speculate} ask for two methods; give one")
+    if speculate in ("suffix", "lookahead") and grammars:
+        raise ValueError(f"{speculate} decoding does not support guided generation; use --prompt_lookup")
     if sys.stdin is None:  # started with standard input closed
         raise ValueError("standard input is closed: chat.py reads the messages from it")
     cli.check_output_file(args.metrics_json, "--metrics_json", '"turns"')
     interactive = sys.stdin.isatty()
-    speculate = "lookup" if args.prompt_lookup else "suffix" if args.suffix else None
     model, tokenizer, loop = load(
         args.checkpoint_path, max_new_tokens=args.max_new_tokens, max_seq_length=args.max_seq_length,
         device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
         cpu_kernels=args.cpu_kernels, compile=args.compile, compile_prefill=args.compile_prefill,
         speculate=speculate, speculate_k=args.speculate_k, ngram=args.prompt_lookup, grammars=grammars,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    extra = args.speculate_k + 1 if args.prompt_lookup else 32 if args.suffix else 0  # a round's slots
+    extra = {"lookup": args.speculate_k + 1, "plain": 0}.get(  # the slots a round writes past the reply
+        speculate, tree_nodes(model.max_seq_length, args.max_new_tokens))
     torch.manual_seed(args.seed)
     chat, stats = Conversation(system=args.system), []
     if interactive:

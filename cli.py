@@ -485,6 +485,9 @@ def print_summary(m: dict):
     if m.get("tree_sizes"):
         print("Tree size per verify, chosen by measured cost (nodes: passes): "
               + ", ".join(f"{n}: {c}" for n, c in m["tree_sizes"].items()))
+    if m.get("methods"):  # speculative: which method made how many of the new tokens after the first
+        made = [f"{name} {n}" for name, n in sorted(m["methods"].items(), key=lambda kv: -kv[1])]
+        print(f"methods: {made[0]} tokens" + "".join(f", {x}" for x in made[1:]))
     if m["forced_tokens"] is not None:
         print(f"Guided: {m['forced_tokens']:.0f} new tokens forced by the grammar (fed by fast-forward), "
               f"{m['target_forwards']:.0f} forward passes")

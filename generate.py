@@ -236,6 +236,7 @@ class Generation:
     forced: Optional[int] = None  # guided: new tokens the grammar forced (fed by fast-forward)
     incomplete: list[int] = field(default_factory=list)  # guided: rows cut by max_new_tokens mid-grammar
     tree_sizes: Optional[dict] = None  # token trees: nodes verified per pass -> passes
+    methods: Optional[dict] = None  # speculative: new tokens after the first, by the method that made them
 
     def metrics(self, weight_bytes: int) -> dict:
         """The figures generate.py prints and --metrics_json writes; speculation's are None for plain decoding."""
@@ -256,7 +257,7 @@ class Generation:
                 "acceptance_rate": kept / self.drafted if self.drafted else None,
                 "accept_histogram": self.accept_histogram,
                 "forced_tokens": self.forced,
-                "tree_sizes": self.tree_sizes,
+                "tree_sizes": self.tree_sizes, "methods": self.methods,
                 "incomplete": bool(self.incomplete)}  # guided output cut before its grammar was complete
 
 

@@ -4,7 +4,7 @@ grammar) and chat-templated, getting the text, the tokens and the figures back.
 
     from llm import LLM
     llm = LLM("checkpoints/stdlib-target", draft="checkpoints/stdlib-draft")
-    out = llm.generate("def fibonacci(n):", max_new_tokens=40, temperature=0, speculate="draft")
+    out = llm.generate("def fibonacci(n):", max_new_tokens=40, temperature=0)  # speculate="auto"
     print(out.text, out.metrics["decode_tokens_per_sec"])
 
 A thin layer over generate.py, speculative.py, trees.py and guided.py, which the command-line tools use too."""
@@ -20,6 +20,7 @@ import generate as gen
 import guided
 import speculative
 from checkpoint import checkpoint_files, load_model, load_tokenizer, plan
+from choose import auto as auto_chooser
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Completion:
     finish_reason: str  # "stop" (EOS, a stop string, a complete grammar), "length" or "incomplete" (see below)
 
 
-DRAFTED = ("draft", "tree", "staged")  # the proposers that need a draft model
+DRAFTED = ("auto", "draft", "tree", "staged")  # the methods that use a draft model
 
 
 class LLM:
@@ -63,14 +64,17 @@ class LLM:
             draft, checkpoint_files(checkpoint)[0], self.model, self.device, dt, cpu_kernels)
         self.steps = gen.build_steps(compile)
         self.weight_bytes = gen.weight_bytes(self.model)
+        self.choosers = {}  # (ngram, max_nodes) -> speculate="auto"'s chooser, its measurements kept between calls
 
     def generate(self, prompt: Union[str, list[str]], **options) -> Union[Completion, list[Completion]]:
         """The continuation of prompt (a str: one Completion), or of each prompt of a list (a batch: a list of
         Completions). Keywords: max_new_tokens=200, temperature=0.8 (0: greedy), top_k=200, top_p=1.0, seed,
-        stop (a list of strings), ignore_eos; speculate (None, "draft", "tree", "staged", "lookup", "suffix",
-        "lookahead"), speculate_k=4, ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text),
-        regex, grammar (Lark text); chat (the prompt as a user turn in the chat template), system; callback(text),
-        called with the first row's new text after every step."""
+        stop (a list of strings), ignore_eos; speculate ("auto", the default: each round the method that pays best
+        so far among those below, or plain decoding when none pays, and always for a batch or with a grammar; None
+        or "plain"; or one forced: "draft", "tree", "staged", "lookup", "suffix", "lookahead"), speculate_k=4,
+        ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text), regex, grammar (Lark text); chat
+        (the prompt as a user turn in the chat template), system; callback(text), called with the first row's new
+        text after every step."""
         prompts = [prompt] if isinstance(prompt, str) else prompt
         require(isinstance(prompts, list) and prompts and all(isinstance(p, str) and p for p in prompts),
                 "prompt must be a non-empty string or a non-empty list of them")
@@ -97,7 +101,7 @@ class LLM:
 
     def complete(self, prompts: list[list[int]], *, max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: Optional[int] = 200, top_p: float = 1.0, seed: Optional[int] = None,
-                 stop: Optional[list[str]] = None, ignore_eos: bool = False, speculate: Optional[str] = None,
+                 stop: Optional[list[str]] = None, ignore_eos: bool = False, speculate: Optional[str] = "auto",
                  speculate_k: int = 4, ngram: int = 3, max_nodes: int = 32, fixed_k: bool = False,
                  json: bool = False, json_schema=None, regex: Optional[str] = None, grammar: Optional[str] = None,
                  callback: Optional[Callable[[str], None]] = None) -> list[Completion]:
@@ -112,21 +116,25 @@ class LLM:
                 f"got {seed!r}")
         require(stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
                 "stop must be a list of non-empty strings")
-        choose("speculate", speculate, (None,) + speculative.SPECULATE)
+        choose("speculate", speculate, (None, "plain") + speculative.SPECULATE)
         grammars = guided.grammars(json=json, json_schema=json_schema, regex=regex, grammar=grammar)
         require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
+        if speculate == "plain" or speculate == "auto" and (grammars or len(prompts) > 1):
+            speculate = None
         guide = guided.make_guide(self.tokenizer, grammars, len(prompts), self.model.args.vocab_size,
                                   speculate_k if speculate else 0)
         extra = {None: 0, "draft": speculate_k + 1, "lookup": speculate_k + 1}.get(speculate, max_nodes)
-        extra = max(extra, getattr(self.draft, "room", 0))
+        chooser = self.choosers.setdefault((ngram, max_nodes), auto_chooser(
+            self.draft, self.steps.draft_tree, ngram)) if speculate == "auto" else None
+        extra = max(extra, chooser.room if chooser else getattr(self.draft, "room", 0))
         need = min(max(map(len, prompts)) + max_new_tokens + extra, self.model.args.block_size)
         if self.model.max_batch_size < len(prompts) or self.model.max_seq_length < need:
             self.model.setup_caches(len(prompts), max(need, self.length), self.kv_dtype)
         loop = speculative.make_loop(
             self.model, max_new_tokens=max_new_tokens, speculate=speculate,
             draft=self.draft if speculate in DRAFTED else None, speculate_k=speculate_k, ngram=ngram,
-            adaptive=not fixed_k, max_nodes=max_nodes, guide=guide, steps=self.steps, temperature=temperature,
-            top_k=top_k, top_p=top_p)
+            adaptive=not fixed_k, max_nodes=max_nodes, guide=guide, steps=self.steps, chooser=chooser,
+            temperature=temperature, top_k=top_k, top_p=top_p)
         if seed is not None:
             torch.manual_seed(seed)
         eos_ids = None if ignore_eos else self.tokenizer.eos_ids

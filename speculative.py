@@ -5,8 +5,9 @@ copies what followed the most recent earlier occurrence of the context's last n-
 
 One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
 reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU each extra position costs real
-arithmetic, which is why the adaptive rule below measures costs instead of
-assuming them."""
+arithmetic, which is why the rules here measure costs instead of assuming them. Which proposer pays depends on the
+machine and the text, so by default (--speculate auto) each round takes the one that has paid best so far, among
+these and the token trees of trees.py, or decodes plainly when none pays (choose.py)."""
 import os
 import signal
 import sys
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import choose
 import cli
 import generate
 import trees
@@ -31,7 +33,7 @@ from checkpoint import checkpoint_files, load_model, tokenizer_path
 from generate import Generation, Steps, device_sync, draft_step, draw, peak_memory_gb, verify  # noqa: F401
 from guided import Guide
 from model import Transformer, kv_bucket
-from trees import reserve
+from trees import prompt_lookup, reserve  # noqa: F401 (prompt_lookup: for callers)
 
 
 def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
@@ -51,21 +53,6 @@ def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
         return n, draw(p[m:])
     residual = (p[n] - q[n]).clamp(min=0)
     return n, draw(residual[None] / residual.sum())
-
-
-def prompt_lookup(history: list[int], ngram: int, k: int) -> list[int]:
-    """k tokens copied from after the most recent earlier occurrence of history's last n tokens, trying n = ngram
-    first and shorter n-grams after it. The copy may run into the tokens it is producing, as in LZ77, so a
-    repeating pattern is continued for all k tokens even when its period is short."""
-    for n in range(min(ngram, len(history) - 1), 0, -1):
-        tail = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start : start + n] == tail:
-                seq = history[start + n :]
-                while len(seq) < k:
-                    seq = seq + seq[: k - len(seq)]
-                return seq[:k]
-    return []
 
 
 @dataclass
@@ -212,7 +199,8 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
     incomplete = [0] if guide is not None and n_new >= max_new_tokens and not eos & set(out) and guide.incomplete(0) \
         else []
     return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, n_new - 1, sum(accepted),
-                      peak_memory_gb(device), drafted, accepted, guide.forced if guide else None, incomplete)
+                      peak_memory_gb(device), drafted, accepted, guide.forced if guide else None, incomplete,
+                      methods={"draft" if draft is not None else "lookup": n_new - 1} if n_new > 1 else {})
 
 
 # ---- command line: generate.py's, with a proposer -----------------------------------------------------------------
@@ -230,23 +218,34 @@ def load_draft(path, target_dir: Path, model: Transformer, device, dtype, cpu_ke
     return draft
 
 
-SPECULATE = ("draft", "tree", "staged", "lookup", "suffix", "lookahead")  # staged: a tree, with a trie's guesses
+SPECULATE = ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead")  # staged: a tree with a trie's guesses
 
 
-def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[str] = None, draft=None,
+def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[str] = "auto", draft=None,
               speculate_k: int = 4, ngram: Optional[int] = 3, adaptive: bool = True, max_nodes: int = 32,
-              guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None, **sampling) -> Callable:
+              guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None,
+              chooser: Optional[choose.Chooser] = None, **sampling) -> Callable:
     """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0) -> Generation.
-    speculate: None (plain decoding, any batch), or a batch-1 proposer: "draft" (a chain from the draft model,
-    its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft model), "lookup"
-    (prompt lookup over ngram tokens), "suffix" or "lookahead" (token trees without a draft model). The loop keeps
-    its proposer and measured costs from call to call (a chat's turns); under tensor parallelism (parallel) the
-    draft is replicated on every rank."""
+    speculate: "auto" (the default: each round the method that pays best so far, among prompt lookup, suffix,
+    lookahead and, with a draft model, its chain, tree and staged tree, or plain decoding when none pays; see
+    choose.Chooser), None or "plain" (plain decoding, any batch), or one batch-1 proposer: "draft" (a chain from
+    the draft model, its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft
+    model), "lookup" (prompt lookup over ngram tokens), "suffix" or "lookahead" (token trees without a draft
+    model). "auto" decodes plainly with a grammar (guide) and for batches of more than one prompt; under tensor
+    parallelism (parallel) it runs the draft's chain, whose timings the ranks share, or without a draft decodes
+    plainly. The loop keeps its proposers and measured costs from call to call (a chat's turns), and so does a
+    chooser passed in (choose.auto's) from loop to loop; under tensor parallelism the draft is on every rank."""
+    speculate = None if speculate == "plain" else speculate
     if speculate is not None and speculate not in SPECULATE:
-        raise ValueError(f"unknown speculate {speculate!r}; use one of {', '.join(SPECULATE)}")
-    if (speculate in ("draft", "tree", "staged")) != (draft is not None):
-        raise ValueError(f"speculate={speculate!r} needs a draft model" if draft is None else
-                         f"a draft model is used only with speculate='draft', 'tree' or 'staged'")
+        raise ValueError(f"unknown speculate {speculate!r}; use one of plain, {', '.join(SPECULATE)}")
+    if speculate in ("draft", "tree", "staged") and draft is None:
+        raise ValueError(f"speculate={speculate!r} needs a draft model")
+    if draft is not None and speculate not in ("auto", "draft", "tree", "staged"):
+        raise ValueError("a draft model is used only with speculate='auto', 'draft', 'tree' or 'staged'")
+    if speculate == "auto" and parallel:  # each rank would choose from its own timings: the chain agrees on them
+        speculate = "draft" if draft is not None else None
+    if speculate == "auto" and guide is not None:
+        speculate = None
     as_tree = speculate in ("tree", "staged", "suffix", "lookahead")
     if as_tree and guide is not None:
         raise ValueError("token trees do not support guided generation; use speculate='draft' or 'lookup'")
@@ -259,36 +258,47 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
         if len(prompts) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
         return prompts[0]
+    if speculate == "auto":  # one chooser, with its measured costs and rates, for every call
+        chooser, plain = chooser or choose.auto(draft, steps.draft_tree, ngram or 3), generate.plain_loop(
+            model, max_new_tokens=max_new_tokens, steps=steps, **sampling)
+        return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: trees.tree_generate(
+            model, prompts[0], max_new_tokens, chooser, max_nodes, eos_ids=eos_ids, callback=callback, steps=steps,
+            stop=stop, cached=cached, sizer=chooser, **sampling) if len(prompts) == 1 else plain(
+            prompts, eos_ids, callback, stop, cached)
     if as_tree:  # one proposer and one set of measured costs for every call
         sizer = trees.Sizer()
         proposer = trees.DraftTree(draft, steps.draft_tree, staged=trees.Suffix() if speculate == "staged" else None) \
             if draft is not None else trees.Suffix() if speculate == "suffix" else trees.Lookahead()
         return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: trees.tree_generate(
             model, batch_of_one(prompts), max_new_tokens, proposer, max_nodes, eos_ids=eos_ids, callback=callback,
-            steps=steps, stop=stop, cached=cached, sizer=sizer, **sampling)
+            steps=steps, stop=stop, cached=cached, sizer=sizer, method=speculate, **sampling)
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
     return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: speculative_generate(
         model, batch_of_one(prompts), max_new_tokens, speculate_k, draft=draft,
-        ngram=ngram if speculate == "lookup" else None, adaptive=adaptive, eos_ids=eos_ids, callback=callback,
+        ngram=(ngram or 3) if speculate == "lookup" else None, adaptive=adaptive, eos_ids=eos_ids, callback=callback,
         steps=steps, agree=agree, stop=stop, cached=cached, guide=guide, **sampling)
 
 
-def speculate_of(args) -> Optional[str]:
-    """The proposer the command line's flags ask for (see make_loop)."""
-    if args.draft_checkpoint_path:
-        return "staged" if args.staged else "tree" if args.tree else "draft"
-    return "lookup" if args.prompt_lookup else "suffix" if args.suffix else "lookahead" if args.lookahead else None
+def speculate_of(args) -> str:
+    """The method the command line's flags ask for (see make_loop): a forcing flag's, else --speculate's."""
+    return "staged" if args.staged else "tree" if args.tree else "draft" if args.fixed_k else "lookup" \
+        if args.prompt_lookup else "suffix" if args.suffix else "lookahead" if args.lookahead else args.speculate
 
 
 def parser():
     p = cli.generate_parser(__doc__)
-    p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer "
-                   "proposes up to --speculate_k tokens, the target verifies them in one pass")
+    p.add_argument("--speculate", default="auto", choices=SPECULATE + ("plain",), help="auto (the default): each "
+                   "round the method that has paid best so far, or plain decoding when none pays (and always with "
+                   "a grammar or a batch); or one method forced: draft (the draft model's chain), tree, staged, "
+                   "lookup, suffix, lookahead, or plain")
+    p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer: "
+                   "its chain and trees join auto's candidates (or --speculate draft, --tree, --staged force one)")
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="no draft model: propose the tokens that "
                    "followed the last earlier occurrence of the context's last N tokens")
-    p.add_argument("--speculate_k", type=cli.positive_int, default=5, help="the most tokens proposed per verify pass; a draft "
-                   "model stops earlier when it grows unsure (threshold decoding), unless --fixed_k")
-    p.add_argument("--fixed_k", action="store_true", help="the draft model always proposes --speculate_k tokens")
+    p.add_argument("--speculate_k", type=cli.positive_int, default=5, help="with --speculate draft or "
+                   "--prompt_lookup: the most tokens proposed per verify pass; a draft stops earlier when it grows "
+                   "unsure, unless --fixed_k")
+    p.add_argument("--fixed_k", action="store_true", help="the draft model's chain, always --speculate_k tokens")
     p.add_argument("--tree", action="store_true", help="with --draft_checkpoint_path: the draft proposes a tree (its "
                    "top 4 tokens after each node, the likeliest grown further) instead of a chain")
     p.add_argument("--staged", action="store_true", help="with --tree: each draft pass also runs a guess of what "
@@ -299,7 +309,7 @@ def parser():
                    "and earlier chat turns)")
     p.add_argument("--lookahead", action="store_true", help="no draft model: Jacobi iteration guesses tokens ahead, "
                    "and n-grams from the target's answers and the text propose a tree (lookahead decoding)")
-    p.add_argument("--max_nodes", type=cli.positive_int, default=32, help="with --tree, --suffix or --lookahead: "
+    p.add_argument("--max_nodes", type=cli.positive_int, default=32, help="with auto, --tree, --suffix or --lookahead: "
                    "the most tokens verified per pass; each pass takes the size that measured costs and acceptance "
                    "so far favour")
     return p
@@ -312,7 +322,7 @@ def parse_args(argv=None):
                "--prompt_lookup, not both"),
               (not args.fixed_k or args.draft_checkpoint_path, "--fixed_k needs --draft_checkpoint_path"),
               (args.batch_size == 1 or not (args.draft_checkpoint_path or args.prompt_lookup or args.suffix
-                                            or args.lookahead),
+                                            or args.lookahead or args.speculate not in ("auto", "plain")),
                "speculative decoding supports batch size 1 only"),
               (not args.tree or args.draft_checkpoint_path, "--tree needs --draft_checkpoint_path"),
               (not args.staged or args.tree, "--staged needs --tree"),
@@ -321,8 +331,14 @@ def parse_args(argv=None):
                "--prompt_lookup"),
               (not (args.tree or args.suffix or args.lookahead) or not args.fixed_k,
                "--fixed_k applies to a chain draft, not a tree"),
-              (not (args.tree or args.suffix or args.lookahead) or not args.guides, "token trees do not support guided generation; use "
-               "a chain draft or --prompt_lookup")]
+              (speculate_of(args) not in ("tree", "staged", "suffix", "lookahead") or not args.guides,
+               "token trees do not support guided generation; use a chain draft or --prompt_lookup")]
+    checks += [(speculate_of(args) not in ("draft", "tree", "staged") or args.draft_checkpoint_path,
+                f"--speculate {speculate_of(args)} needs --draft_checkpoint_path"),
+               (args.speculate in ("auto", speculate_of(args)), f"--speculate {args.speculate} and the flag forcing "
+                f"{speculate_of(args)} ask for two methods; give one"),
+               (speculate_of(args) != "plain" or not args.draft_checkpoint_path,
+                "--speculate plain uses no draft model")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)

@@ -4,6 +4,7 @@ longest path the target agrees with is kept, plus one token of the target's own.
 after its first miss; a tree spends the same pass on the alternatives (SpecInfer, Miao et al. 2024; EAGLE-2).
 
 Proposers:
+- Lookup: prompt lookup's chain (what followed the last earlier occurrence of the context's last n-gram).
 - Suffix: the most frequent continuations of the context's longest matching suffix, from a suffix trie over all
   the text seen so far, the prompt and everything generated, across chat turns (SuffixDecoding, Oliaro et al.
   2024). No draft model; strong where the output repeats earlier text: editing code, quoting a document.
@@ -154,6 +155,38 @@ def compact(model, base: int, nodes: list[int]):
 
 
 # ---- proposers ---------------------------------------------------------------------------------------------------
+
+def prompt_lookup(history: list[int], ngram: int, k: int) -> list[int]:
+    """k tokens copied from after the most recent earlier occurrence of history's last n tokens, trying n = ngram
+    first and shorter n-grams after it. The copy may run into the tokens it is producing, as in LZ77, so a
+    repeating pattern is continued for all k tokens even when its period is short."""
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == tail:
+                seq = history[start + n :]
+                while len(seq) < k:
+                    seq = seq + seq[: k - len(seq)]
+                return seq[:k]
+    return []
+
+
+class Lookup:
+    """Prompt lookup as a chain: what followed the most recent earlier occurrence of the context's last n-gram
+    (see prompt_lookup), each guess scored below the one before it; the Sizer calibrates the scores."""
+
+    def __init__(self, ngram: int = 3):
+        self.ngram = ngram
+
+    def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
+        tree = Tree([context[-1]])
+        for i, token in enumerate(prompt_lookup(context, self.ngram, budget - 1)):
+            tree.add(i, token, 0.9 ** (i + 1))
+        return tree
+
+    def accepted(self, kept: list[int], tree: Tree, p: Tensor):  # the next propose() reads the context
+        pass
+
 
 class Suffix:
     """A suffix trie over the text seen so far: a node per distinct substring of up to `depth` tokens, with the
@@ -385,9 +418,12 @@ class Sizer:
     passed: int = 0  # rounds that did not propose
     exploring: bool = False  # this round proposes although the last did not pay
     last: list = field(default_factory=list)  # the last tree's scores, best first
+    plain_s: float = 0.0  # seconds per plain decode step, where measured (else cost[1] stands for it)
 
-    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int, **sampling):
-        """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base."""
+    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int,
+                decode: Optional[Callable] = None, **sampling):
+        """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base, and
+        the plain decode step, if given."""
         for n in [s for s in self.sizes if s < max_nodes] + [max_nodes]:
             chain = Tree([0])
             for i in range(n - 1):
@@ -400,6 +436,14 @@ class Sizer:
                 device_sync(slots.device)
                 times.append(time.perf_counter() - t)
             self.cost[n] = min(times[1:])
+        times, one = [], torch.zeros(1, 1, dtype=torch.long, device=slots.device)
+        for _ in range(3 if decode is not None else 0):
+            device_sync(slots.device)
+            t = time.perf_counter()
+            decode(model, one, slots[base : base + 1], None, kv_bucket(base + 1, model.max_seq_length), **sampling)
+            device_sync(slots.device)
+            times.append(time.perf_counter() - t)
+        self.plain_s = min(times[1:], default=0.0)
 
     def alpha(self) -> float:
         return self.kept / self.predicted if self.predicted else 1.0
@@ -412,7 +456,8 @@ class Sizer:
         time, beats plain decoding. If not, every 8th round proposes anyway, so that a proposer that starts to
         guess well (the text turns repetitive) is noticed."""
         self.exploring = False
-        if not self.last or 1 not in self.cost or max(self.rate(self.last, n) for n in self.cost) * self.cost[1] > 1:
+        plain_s = self.plain_s or self.cost.get(1)
+        if not self.last or not plain_s or max(self.rate(self.last, n) for n in self.cost) * plain_s > 1:
             return True
         self.passed += 1
         self.exploring = self.passed % 8 == 0
@@ -444,10 +489,11 @@ class Sizer:
 def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32, *,
                   eos_ids=None, callback: Optional[Callable] = None, steps: Steps = Steps(),
                   stop: Optional[Callable] = None, cached: int = 0, sizer: Optional[Sizer] = None,
-                  **sampling) -> Generation:
-    """Batch-1 generation, each round verifying a tree of up to max_nodes tokens from proposer (Suffix or
-    DraftTree). sizer: keeps the verify costs between calls (they are measured on the first); eos_ids, callback,
-    stop and cached: as generate.generate."""
+                  method: str = "tree", **sampling) -> Generation:
+    """Batch-1 generation, each round verifying a tree of up to max_nodes tokens from proposer (Lookup, Suffix,
+    Lookahead or DraftTree). sizer: keeps the verify costs between calls (they are measured on the first); a
+    choose.Chooser is both, and names each round's method itself. method: the name the metrics count the rounds
+    that proposed under. eos_ids, callback, stop and cached: as generate.generate."""
     if max_nodes < 1:
         raise ValueError(f"the tree needs at least 1 node, got {max_nodes}")
     device, T, draft = model.tok_embeddings.weight.device, len(prompt), getattr(proposer, "draft", None)
@@ -467,14 +513,17 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
     device_sync(device)
     prefill_s = time.perf_counter() - t0
     if not sizer.cost:  # once, untimed; slots from T on are free until the first round writes them
-        sizer.measure(model, steps.tree, T, slots, max_nodes, **sampling)
+        sizer.measure(model, steps.tree, T, slots, max_nodes, steps.decode, **sampling)
         t0 = time.perf_counter() - prefill_s
     if cur == generate.NOT_FINITE:
         raise generate.not_finite(0)
     out, emitted, accepted, eos, pos, proposed, sizes = [], [cur], [], set(eos_ids or ()), T, 0, {}
+    methods, made = {}, None  # the new tokens after the first, by the method of the round that made them
     while True:
         for token in emitted:
             out.append(token)
+            if made is not None:
+                methods[made] = methods.get(made, 0) + 1
             if token in eos or len(out) >= max_new_tokens:
                 break
         if callback is not None:
@@ -486,24 +535,29 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
         if proposing:
             full = proposer.propose(prompt + out, max_nodes, sizer.worth)
             tree, kept = full.best(sizer.choose(full))
-        else:  # plain decoding this round; a draft reads the tokens it missed next time
-            tree, kept = Tree([out[-1]]), [0]
-        t_verify = time.perf_counter()
-        p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
-        if not bool(torch.isfinite(p[:, 0]).all()):  # tree_probs makes a damaged row NaN throughout
-            raise generate.not_finite(len(out))
-        path, nxt = walk(tree, p, greedy)
-        compact(model, pos, path)
-        if proposing:
+            t_verify = time.perf_counter()
+            p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
+            if not bool(torch.isfinite(p[:, 0]).all()):  # tree_probs makes a damaged row NaN throughout
+                raise generate.not_finite(len(out))
+            path, nxt = walk(tree, p, greedy)
+            compact(model, pos, path)
             proposer.accepted([kept[i] for i in path], tree, p)
+        else:  # plain decoding this round, by plain decoding's own step; a draft reads the tokens it missed next time
+            tree, path = Tree([out[-1]]), [0]
+            nxt = int(steps.decode(model, torch.tensor([[out[-1]]], device=device), slots[pos : pos + 1], None,
+                                   kv_bucket(pos + 1, model.max_seq_length), **sampling)[0])
+            if nxt == generate.NOT_FINITE:
+                raise generate.not_finite(len(out))
         sizer.update(tree, len(path) - 1, t_verify - t if proposing else None, time.perf_counter() - t)
         accepted += [0] * (len(path) - len(accepted))
         accepted[len(path) - 1] += 1
         proposed += len(tree.tokens) - 1
         sizes[len(tree.tokens)] = sizes.get(len(tree.tokens), 0) + 1
         emitted = [tree.tokens[i] for i in path[1:]] + [nxt]
+        made = getattr(sizer, "method", method) if len(tree.tokens) > 1 else "plain"
         pos += len(path)
     device_sync(device)
     decode_s = time.perf_counter() - t0 - prefill_s
     return Generation([generate.cut(out, eos_ids, stop)], T - cached, prefill_s, decode_s, len(out) - 1,
-                      sum(accepted), peak_memory_gb(device), proposed, accepted, tree_sizes=dict(sorted(sizes.items())))
+                      sum(accepted), peak_memory_gb(device), proposed, accepted, tree_sizes=dict(sorted(sizes.items())),
+                      methods=methods)

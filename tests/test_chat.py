@@ -38,7 +38,7 @@ def test_full_context_drops_the_oldest_exchange_and_goes_on(chat_checkpoint, tmp
 
 def test_prompt_lookup_gives_the_same_greedy_replies(chat_checkpoint):
     lines = ["def f(x): return x + 1", "def f(x): return x + 1"]
-    plain, _ = chat(chat_checkpoint, lines)
+    plain, _ = chat(chat_checkpoint, lines, "--speculate", "plain")
     guessed, _ = chat(chat_checkpoint, lines, "--prompt_lookup", "2", "--speculate_k", "4")
     assert guessed.returncode == 0, guessed.stderr
     assert guessed.stdout == plain.stdout
@@ -48,10 +48,20 @@ def test_suffix_decoding_gives_the_same_greedy_replies_across_turns(chat_checkpo
     # on the CPU: bit-equal replies need a verify pass to round as one-token steps do; in bf16 on a GPU, a pass of
     # several tokens multiplies with other kernels, and on this random model a near tie then flips
     lines = ["def f(x): return x + 1", "def f(x): return x + 1", "and again: def f(x): return x + 1"]
-    plain, _ = chat(chat_checkpoint, lines, "--device", "cpu")
+    plain, _ = chat(chat_checkpoint, lines, "--device", "cpu", "--speculate", "plain")
     guessed, _ = chat(chat_checkpoint, lines, "--device", "cpu", "--suffix")
     assert guessed.returncode == 0, guessed.stderr
     assert guessed.stdout == plain.stdout
+
+
+def test_by_default_replies_choose_their_method_and_equal_plain_greedy_ones(chat_checkpoint, tmp_path):
+    lines = ["def f(x): return x + 1", "def f(x): return x + 1", "and again: def f(x): return x + 1"]
+    plain, _ = chat(chat_checkpoint, lines, "--device", "cpu", "--speculate", "plain", "--max_new_tokens", "24")
+    auto, turns = chat(chat_checkpoint, lines, "--device", "cpu", "--max_new_tokens", "24", tmp=tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    assert auto.stdout == plain.stdout
+    # every token after the first, the end-of-sequence one included where a reply ends with it
+    assert all(sum(t["methods"].values()) in (t["new_tokens"] - 1, t["new_tokens"]) for t in turns)
 
 
 def test_suffix_with_prompt_lookup_is_one_line_of_error(chat_checkpoint):
@@ -61,7 +71,7 @@ def test_suffix_with_prompt_lookup_is_one_line_of_error(chat_checkpoint):
 
 def test_compiled_chat_gives_the_same_greedy_replies(chat_checkpoint):
     lines = ["the quick brown fox", "print the value"]
-    plain, _ = chat(chat_checkpoint, lines, "--dtype", "float32")  # float32: bf16 rounds differently compiled
+    plain, _ = chat(chat_checkpoint, lines, "--dtype", "float32", "--speculate", "plain")  # bf16 rounds differently compiled
     compiled, _ = chat(chat_checkpoint, lines, "--dtype", "float32", "--compile")
     assert compiled.returncode == 0, compiled.stderr
     assert compiled.stdout == plain.stdout

@@ -20,7 +20,8 @@ def run_cli(*args, timeout=300):
 # one schema for plain and speculative decoding; speculation's figures are null without it
 METRICS = {"ttft_ms", "decode_tokens_per_sec", "tokens_per_sec", "prefill_tokens_per_sec", "bandwidth_gb_s",
            "peak_memory_gb", "compile_s", "total_s", "samples", "target_forwards", "mean_accepted", "mean_drafted",
-           "acceptance_rate", "accept_histogram", "forced_tokens", "tree_sizes", "incomplete"}
+           "acceptance_rate", "accept_histogram", "forced_tokens", "tree_sizes", "methods",
+           "incomplete"}
 
 
 def metrics_of(checkpoint, tmp_path, *args):

@@ -23,7 +23,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def plain(llm):
-    return llm.generate(PROMPT, max_new_tokens=24, temperature=0)
+    return llm.generate(PROMPT, max_new_tokens=24, temperature=0, speculate="plain")
 
 
 def test_plain_greedy_gives_generate_generates_tokens_and_text(llm, plain):
@@ -33,11 +33,17 @@ def test_plain_greedy_gives_generate_generates_tokens_and_text(llm, plain):
     assert plain.finish_reason == "length" and plain.metrics["decode_tokens_per_sec"] > 0
 
 
-@pytest.mark.parametrize("speculate", ["draft", "tree", "staged", "lookup", "suffix", "lookahead"])
+@pytest.mark.parametrize("speculate", ["auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead", None])
 def test_every_speculation_gives_the_plain_greedy_tokens(llm, plain, speculate):
     fast = llm.generate(PROMPT, max_new_tokens=24, temperature=0, speculate=speculate)
     assert fast.tokens == plain.tokens
     assert fast.metrics["target_forwards"] <= plain.metrics["target_forwards"]
+
+
+def test_by_default_speculation_chooses_its_method_and_counts_the_tokens_each_made(llm, plain):
+    fast = llm.generate(PROMPT, max_new_tokens=24, temperature=0)
+    assert fast.tokens == plain.tokens and sum(fast.metrics["methods"].values()) == 23
+    assert plain.metrics["methods"] is None  # plain decoding chose nothing
 
 
 def test_regex_guided_output_matches_the_pattern(llm):

@@ -161,10 +161,11 @@ def run_cli(*args):
 
 def test_cli_reports_acceptance_statistics(pair, tmp_path):
     out = tmp_path / "m.json"
-    result = run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", pair[1], "--speculate_k", 3,
-                     "--max_new_tokens", 12, "--temperature", 0, "--ignore_eos", "--metrics_json", out)
+    result = run_cli("--checkpoint_path", pair[0], "--draft_checkpoint_path", pair[1], "--speculate", "draft",
+                     "--speculate_k", 3, "--max_new_tokens", 12, "--temperature", 0, "--ignore_eos", "--metrics_json",
+                     out)
     assert result.returncode == 0, result.stderr
-    assert "acceptance rate" in result.stdout
+    assert "acceptance rate" in result.stdout and "methods: draft 11 tokens\n" in result.stdout
     metrics = json.loads(out.read_text())
     from test_cli import METRICS
     assert set(metrics) == METRICS  # the schema of plain decoding
