@@ -255,8 +255,7 @@ class Generation:
                 "mean_accepted": kept / rounds if rounds else None,  # proposals kept per verify pass
                 "mean_drafted": self.drafted / rounds if rounds else None,
                 "acceptance_rate": kept / self.drafted if self.drafted else None,
-                "accept_histogram": self.accept_histogram,
-                "forced_tokens": self.forced,
+                "accept_histogram": self.accept_histogram, "forced_tokens": self.forced,
                 "tree_sizes": self.tree_sizes, "methods": self.methods,
                 "incomplete": bool(self.incomplete)}  # guided output cut before its grammar was complete
 
