@@ -17,8 +17,8 @@ class Chooser:
     measured cost of verifying as many nodes as it sent. The verify cost is the one measured up front, not the
     round's wall time, so that a busy moment on the machine does not steer the choice. Each candidate keeps an
     average of its rounds' rates; plain decoding's rate is one over its measured step. A candidate not run yet
-    counts as infinitely fast, so each is tried (`trial` rounds in a row); then the fastest runs, and plain decoding when no candidate
-    beats it. A candidate that is not the fastest is tried again after `retry` rounds, and every retry that leaves it
+    counts as infinitely fast, so each is tried (`trial` rounds in a row); then the fastest runs, and plain
+    decoding when no candidate beats it. A candidate that is not the fastest is tried again after `retry` rounds, and every retry that leaves it
     behind doubles its wait (up to `longest` rounds): one that stopped paying costs little, and one that starts to
     pay (the text turns repetitive) is noticed. Candidates that sat a round out stay correct: the suffix trie and
     the n-gram pools read the context when next asked, Lookahead's guesses are dropped (their positions have

@@ -202,7 +202,7 @@ class Rows:
         self.step = step
 
     def __call__(self, idx: Tensor, input_pos: Tensor, left_pad, kv_len: int, mask: Optional[Tensor] = None,
-                 pos: Optional[Tensor] = None) -> Tensor:  # idx [1, S], input_pos [S] slots, mask [S, kv_len] -> [1, S, V]
+                 pos: Optional[Tensor] = None) -> Tensor:  # idx [1, S], input_pos [S], mask [S, kv_len] -> [1, S, V]
         S, base = idx.size(1), int(input_pos[0])
         mask = torch.ones(S, base + S, dtype=torch.bool).tril(base) if mask is None else mask[:, : base + S]
         return self.step.rows(idx[0], input_pos if pos is None else pos, base, mask)[None]

@@ -77,13 +77,15 @@ class Tree:
         return a
 
     def best(self, n: int) -> tuple["Tree", list[int]]:
-        """The n best-scored nodes as a tree, and their indices here. A child never outscores its parent and ties
-        go to the earlier node, so the n best include every one's ancestors."""
-        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:n])
+        """The n best-scored nodes as a tree, and their indices here. A child should never outscore its parent (ties
+        go to the earlier node), so the n best hold every one's ancestors; a node whose parent is not among them
+        (a proposer's scores that break the rule, a NaN) is left out."""
+        best = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:n])
         new, where = Tree([self.tokens[0]]), {0: 0}
-        for i in keep[1:]:
-            where[i] = new.add(where[self.parents[i]], self.tokens[i], self.scores[i])
-        return new, keep
+        for i in best[1:]:
+            if self.parents[i] in where:
+                where[i] = new.add(where[self.parents[i]], self.tokens[i], self.scores[i])
+        return new, list(where)
 
 
 def tree_inputs(tree: Tree, base: int, rows: range, kv_len: int, window: int, device) -> tuple[Tensor, Tensor]:

@@ -412,12 +412,12 @@ static inline __m512i pair(const uint16_t* p) {  // two bf16, broadcast
     return _mm512_set1_epi32(u);
 }
 
-// The scores' vectors: 16 lanes, P rows by E = 16 / P, of which RT hold query rows. Lane r * E + e of a product holds row r's
-// sum over K's dimension pairs e, e + E, e + 2E, ..., and after fold_all lane r * E + e holds row r's score at
-// position e of E: no transposition of K (16 x 16 words, 8 shuffles a position at 8 rows) and no sums across lanes,
-// but E - 1 folds for E positions, quicker than the transposition. P depends on the query heads per KV head alone,
-// never on how many positions are asked: a row's score is summed in the same order whether it comes alone (decode)
-// or with others (verification), so that both give the same bits.
+// The scores' vectors: 16 lanes, P rows by E = 16 / P, of which RT hold query rows. Lane r * E + e of a product
+// holds row r's sum over K's dimension pairs e, e + E, e + 2E, ..., and after fold_all lane r * E + e holds row r's
+// score at position e of E: no transposition of K (16 x 16 words, 8 shuffles a position at 8 rows) and no sums
+// across lanes, but E - 1 folds for E positions, quicker than the transposition. P depends on the query heads per KV
+// head alone, never on how many positions are asked: a row's score is summed in the same order whether it comes
+// alone (decode) or with others (verification), so that both give the same bits.
 static constexpr int padded(int rows) { return rows > 4 ? 8 : rows > 2 ? 4 : rows; }  // to a power of 2
 
 // F<D, P, n> for n in 1..P rows, P (1, 2, 4 or 8) and n known only at run time

@@ -107,9 +107,10 @@ def builtin_pair():
 
 
 @pytest.mark.parametrize("speculate", speculative.SPECULATE)
-def test_every_speculative_method_decodes_greedily_what_plain_decoding_does_in_bfloat16(builtin_pair, speculate):
+def test_every_speculative_method_decodes_greedily_what_plain_decoding_does_in_bfloat16(kernels, builtin_pair,
+                                                                                       speculate):
     target, draft = builtin_pair
-    drafted = speculate in ("draft", "tree", "staged")
+    drafted = speculate in ("auto", "draft", "tree", "staged")
     rng = random.Random(3)
     for _ in range(2):
         prompt = [rng.randrange(3, target.args.vocab_size) for _ in range(rng.randrange(20, 200))]
