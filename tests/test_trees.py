@@ -348,3 +348,13 @@ def test_cli_staged_draft_tree_matches_plain_greedy(pair):
 def test_cli_rejects_bad_tree_flags(pair, flags, message):
     from test_speculative import one_line_error, run_cli
     assert message in one_line_error(run_cli("--checkpoint_path", pair[0], *flags))
+
+
+def test_the_best_nodes_leave_out_a_node_whose_parent_is_not_among_them():
+    """A proposer whose child outscores its parent (or a NaN score) must not break a round: the node goes too."""
+    tree = Tree([1])
+    a = tree.add(0, 2, 0.2)
+    tree.add(a, 3, 0.9)  # outscores its parent
+    tree.add(0, 4, 0.5)
+    best, kept = tree.best(3)  # the root, the child that outscores its parent, and 4
+    assert kept == [0, 3] and best.tokens == [1, 4]
