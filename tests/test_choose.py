@@ -8,7 +8,7 @@ import choose
 from checkpoint import load_model
 from choose import Chooser
 from test_speculative import chi_square_p_value, pair  # noqa: F401 (a fixture)
-from test_trees import greedy, tiny
+from test_trees import exact_joint, greedy, tiny
 from trees import Lookup, Tree, path_to, tree_generate, walk
 
 V = 50  # the vocabulary of the model-free texts below
@@ -146,15 +146,8 @@ def test_the_methods_count_every_new_token_once(pair):  # noqa: F811
 def test_sampled_auto_has_the_target_distribution(sampling):
     """The second and third sampled tokens after a fixed prompt, 2000 times, against the target's exact joint
     distribution, while the chooser moves between proposers whose verification costs nothing."""
-    target = tiny()
-    prompt = [1, 2, 3]
-    with torch.no_grad():
-        from generate import logits_to_probs
-        p1 = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
-        p2 = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)  # [V, V]
-        p3 = logits_to_probs(target(torch.tensor([prompt + [x, y] for x in range(8) for y in range(8)]))[:, -1],
-                             **sampling).view(8, 8, 8)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()  # [V * V] over tokens 2 and 3
+    target, prompt = tiny(), [1, 2, 3]
+    joint = exact_joint(target, prompt, sampling)  # [V * V] over tokens 2 and 3
     chooser, counts, guessed = rotating(), torch.zeros(64), 0
     chooser.cost.update({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0})
     torch.manual_seed(0)

@@ -241,18 +241,22 @@ def test_kv_compaction_keeps_200_tokens_after_partial_acceptances_identical(pair
     assert out.forwards < 150 and sum(out.accept_histogram[1:]) > 20  # rounds did keep branches, partly
 
 
+@torch.no_grad()
+def exact_joint(target, prompt: list[int], sampling: dict) -> torch.Tensor:  # -> [V * V]
+    """The target's exact joint distribution of the second and third tokens sampled after prompt (vocabulary 8)."""
+    p1 = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
+    p2 = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)  # [V, V]
+    p3 = logits_to_probs(target(torch.tensor([prompt + [x, y] for x in range(8) for y in range(8)]))[:, -1],
+                         **sampling).view(8, 8, 8)
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
 def test_sampled_tree_speculation_has_the_target_distribution(sampling):
     """The second and third sampled tokens after a fixed prompt, which one round over a two-level tree decides,
     2000 times, against the exact joint distribution of the target (the first comes from prefill)."""
-    target = tiny()
-    prompt = [1, 2, 3]
-    with torch.no_grad():
-        p1 = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
-        p2 = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)  # [V, V]
-        p3 = logits_to_probs(target(torch.tensor([prompt + [x, y] for x in range(8) for y in range(8)]))[:, -1],
-                             **sampling).view(8, 8, 8)
-    joint = (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()  # [V * V] over tokens 2 and 3
+    target, prompt = tiny(), [1, 2, 3]
+    joint = exact_joint(target, prompt, sampling)  # [V * V] over tokens 2 and 3
 
     class Branchy:  # children 0, 3, 5 of the root and 1, 6 under each: acceptance must be exact along any of them
         def propose(self, context, budget, worth=None):
