@@ -1,117 +1,250 @@
-"""Speculation that chooses its method itself: each round, the proposer (or plain decoding) that has recently
-yielded the most tokens per second on this machine, model and text, with the others retried now and then."""
-import math
+"""Speculation that chooses its method itself. Proposers without a draft model cost next to nothing to ask, so every
+round asks them all, and once the text has gone on, scores every guess against what came: each is judged on every
+round, verified or not, and the round verifies the guess of the one that has lately yielded the most tokens per
+second, or decodes plainly when none beats that. A draft model's passes cost real time, so its methods are tried
+now and then, and run while they yield more than the rest."""
+import bisect
+import time
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Optional
 
 from torch import Tensor
 
-from trees import DraftTree, Lookahead, Lookup, Sizer, Suffix, Tree
+from trees import DraftTree, Lookahead, Lookup, Sizer, Suffix, Tree, forward_nodes
 
 
 class Chooser:
     """Candidate proposers (name -> Lookup, Suffix, Lookahead or DraftTree) behind the proposer and sizer interfaces of
-    trees.tree_generate: pays() picks the round's method, and the round goes to that candidate and its own Sizer
-    (its acceptance calibration), while the verify costs, measured once, are shared.
+    trees.tree_generate; each round's pick is `method`. The verify costs, measured once, are shared; each draft
+    candidate has its own Sizer, which picks how many of its nodes to verify.
 
-    A round's rate is its tokens (kept + 1) over its seconds: the candidate's measured proposing time plus the
-    measured cost of verifying as many nodes as it sent. The verify cost is the one measured up front, not the
-    round's wall time, so that a busy moment on the machine does not steer the choice. Each candidate keeps an
-    average of its rounds' rates; plain decoding's rate is one over its measured step. A candidate not run yet
-    counts as infinitely fast, so each is tried (`trial` rounds in a row); then the fastest runs, and plain
-    decoding when no candidate beats it. A candidate that is not the fastest is tried again after `retry` rounds, and every retry that leaves it
-    behind doubles its wait (up to `longest` rounds): one that stopped paying costs little, and one that starts to
-    pay (the text turns repetitive) is noticed. Candidates that sat a round out stay correct: the suffix trie and
-    the n-gram pools read the context when next asked, Lookahead's guesses are dropped (their positions have
-    passed), and draft trees on one draft model share its cache position."""
+    Cheap candidates (no draft model): every round each proposes, and its guess waits until the text has gone past
+    it. Then, for each size the verify costs were measured at, the tokens it would have had kept cut to that size
+    (the nodes the text follows among its best-scored ones) and the sum of those nodes' scores go into running
+    averages: their ratio, alpha, calibrates the candidate's scores at that size. A round's guess cut to a size is
+    expected to yield 1 + alpha x its scores, in the verify cost of that size plus the rounds' measured overhead;
+    the round verifies the guess and size expected to yield the most tokens per second if that beats plain
+    decoding's measured round by `margin`, else it decodes plainly. Nothing needs exploring: a candidate that sat
+    out is judged all the same. (With sampling the text that came is one draw, so a tree's alternatives are
+    undercounted a little.)
 
-    def __init__(self, candidates: dict, retry: int = 16, longest: int = 256, weight: float = 0.3, trial: int = 3):
+    Draft candidates are tried `trial` rounds at a time, from round 8 on, while the best they could do (every guess
+    kept, one draft pass a level) beats the latest rounds without them, plain decoding and this round's best guess. One runs a round while
+    its average tokens per second over its rounds (by the clock) beats both and this round's best guess; one that
+    falls behind waits `retry` rounds for its next trial, twice as long after every trial it loses, up to `longest`,
+    and the draft model's other methods wait as long. Candidates that sat a
+    round out stay correct: the suffix trie and the n-gram pools read the context when next asked, Lookahead's
+    guesses are dropped (their positions have passed), and draft trees on one draft model share its cache position."""
+
+    def __init__(self, candidates: dict, retry: int = 16, longest: int = 256, weight: float = 0.1, trial: int = 2,
+                 margin: float = 1.1):
         if not candidates:
             raise ValueError("the chooser needs at least one proposer")
-        self.candidates, self.retry, self.longest, self.weight, self.trial = candidates, retry, longest, weight, trial
-        self.trying, self.left = "plain", 0  # the candidate on trial, and its trial's rounds still to run
+        self.retry, self.longest, self.weight, self.trial, self.margin = retry, longest, weight, trial, margin
+        self.cheap = {n: p for n, p in candidates.items() if not isinstance(p, DraftTree)}
+        self.drafts = {n: p for n, p in candidates.items() if isinstance(p, DraftTree)}
         self.cost: dict = {}  # nodes verified -> seconds, shared by every candidate's Sizer
-        self.sizers = {name: Sizer(cost=self.cost) for name in candidates}
-        self.rates: dict = {}  # name -> tokens per second, once it has run
-        self.wait = dict.fromkeys(candidates, retry)
-        self.due = dict.fromkeys(candidates, 0)  # the round of its next retry
-        self.rounds, self.method, self.plain_s = 0, "plain", 0.0  # plain_s: a decode step's seconds, once measured
-        self.drafts = [p for p in candidates.values() if isinstance(p, DraftTree)]
-        self.draft = self.drafts[0].draft if self.drafts else None
-        self.room = max([p.room for p in self.drafts], default=0)
+        self.sizers = {name: Sizer(cost=self.cost) for name in self.drafts}  # a draft tree's size, as forced
+        self.kept: dict = {}  # (cheap candidate, size) -> average tokens its guesses cut to size had kept
+        self.predicted: dict = {}  # (cheap candidate, size) -> and the average sum of their scores
+        self.pending: list = []  # (candidate, the context it guessed after, its guess cut to size)
+        self.rates: dict = {}  # draft candidate -> tokens per second over its rounds, once it has run
+        self.wait, self.due = dict.fromkeys(self.drafts, retry), dict.fromkeys(self.drafts, 8)  # trials: spacing, next
+        self.rounds, self.method, self.trying, self.left, self.recent = 0, "plain", "", 0, 0.0  # recent: tokens/s
+        # of the latest rounds without a draft, by the clock
+        self.plain_s = self.draft_s = self.ask_s = self.extra_s = 0.0  # a plain round's, a draft pass's, asking's,
+        self.room = max([p.room for p in self.drafts.values()], default=0)  # and a verify round's overhead, seconds
 
     def start(self, prompt: list[int], cached: int, slots: Tensor, prefill_step: Callable):
-        self.drafts[0].start(prompt, cached, slots, prefill_step)  # one draft model: one prefill for all
-        for p in self.drafts[1:]:
-            p.cached, p.slots = self.drafts[0].cached, slots
+        first, *others = self.drafts.values()  # one draft model: one prefill for all
+        first.start(prompt, cached, slots, prefill_step)
+        for p in others:
+            p.cached, p.slots = first.cached, slots
 
-    def measure(self, *args, **sampling):
-        sizer = next(iter(self.sizers.values()))
-        sizer.measure(*args, **sampling)
+    @property
+    def draft(self):
+        return next(iter(self.drafts.values())).draft if self.drafts else None
+
+    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int,
+                decode: Optional[Callable] = None, **sampling):
+        """The target's verify costs and plain step (Sizer.measure), and a draft pass over one token."""
+        sizer = Sizer(cost=self.cost)
+        sizer.measure(model, step, base, slots, max_nodes, decode, **sampling)
         self.plain_s = sizer.plain_s
+        for d in list(self.drafts.values())[:1]:  # slot base is free in the draft's cache too
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                forward_nodes(d.draft, d.step, Tree([0]), base, range(1), slots, temperature=1.0)
+                times.append(time.perf_counter() - t)
+            self.draft_s = min(times[1:])
 
     def cost_of(self, nodes: int) -> float:  # sizes between the measured ones cost as the next larger
         return self.cost[min((s for s in self.cost if s >= nodes), default=max(self.cost))]
 
-    def plain_rate(self) -> float:
-        return 1 / (self.plain_s or self.cost_of(1))
+    def round_s(self, nodes: int) -> float:  # what a round verifying `nodes` (1: plain decoding) takes, less asking
+        return self.cost_of(nodes) + self.extra_s if nodes > 1 else self.plain_s or self.cost_of(1)
 
-    def pays(self) -> bool:
-        """Pick this round's method (self.method); False for plain decoding."""
-        self.rounds += 1
-        if self.left > 0:
-            self.left -= 1
-            self.method = self.trying
-            return True
-        untried = [n for n in self.candidates if n not in self.rates]
-        best = max(self.rates, key=self.rates.get, default="plain")
-        best = best if self.rates.get(best, 0) > self.plain_rate() else "plain"
-        due = [n for n in self.rates if n != best and self.due[n] <= self.rounds]
-        if untried:
-            best, due = untried[0], []
-        self.method = min(due, key=self.due.get) if due else best
-        if due or untried:  # a trial runs a few rounds, as some proposers guess better once they have run
-            self.trying, self.left = self.method, self.trial - 1
-        if self.method != "plain":  # a trial verifies its guesses even if their scores say they do not pay
-            self.sizers[self.method].exploring = bool(due or untried)
-        return self.method != "plain"
+    def plain_rate(self) -> float:
+        return 1 / (self.ask_s + self.round_s(1))
+
+    def expect(self, guess: "Guess", size: int) -> float:
+        """The tokens per second of verifying guess cut to size: 1 + alpha x the scores of the nodes it would
+        verify, over the round's seconds, where alpha (the candidate's tokens kept over its scores, at that size,
+        over the guesses judged so far; 0.5 before any) calibrates the scores."""
+        key, n = (guess.name, size), min(size, len(guess.tree.tokens))
+        alpha = self.kept[key] / self.predicted[key] if self.predicted.get(key) else 0.5
+        return (1 + alpha * guess.summed[n - 1]) / (self.ask_s + self.round_s(n))
+
+    def pays(self) -> bool:  # every round proposes: propose() decides, a lone root meaning plain decoding
+        return True
 
     def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
-        return self.candidates[self.method].propose(context, budget, worth)
+        self.rounds += 1
+        self.judge(context)
+        t, guesses, sizes, seen = time.perf_counter(), [], sorted(s for s in self.cost if s > 1), list(context)
+        for name, proposer in self.cheap.items():
+            tree = proposer.propose(context, budget)
+            if len(tree.tokens) > 1:
+                guesses.append(Guess.of(name, seen, tree, sizes))
+        self.pending += guesses
+        if self.rounds > 1:  # the first round also reads the prompt into the trie and the indexes
+            self.ask_s = ema(self.ask_s, time.perf_counter() - t)
+        expect = {(g, s): self.expect(g, s) for g in guesses for s in sizes}
+        best = max(expect, key=expect.get, default=None)
+        bar = max(self.recent, self.plain_rate())
+        trial = self.trial_due(max(bar, expect.get(best, 0)))
+        if trial:
+            self.trying, self.left = trial, self.trial
+        ahead = max(self.rates, key=self.rates.get, default=None)
+        if self.left > 0 or ahead is not None and self.rates[ahead] > max(bar, expect.get(best, 0)):
+            self.left = max(0, self.left - 1)
+            return self.run_draft(self.trying or ahead, context, budget)
+        # a margin over plain decoding, as the best of many noisy estimates tends to be one that came out high
+        if best is None or expect[best] <= self.margin * self.plain_rate() or self.rounds == 1:  # 1: no record yet
+            self.method = "plain"
+            return Tree([context[-1]])
+        self.method = best[0].name
+        return best[0].tree.best(best[1])[0]
+
+    def judge(self, context: list[int]):
+        """Score the guesses the text has gone past: at each size, the tokens it would have had kept cut to that size
+        (the nodes the text follows, among its best-scored ones), and their scores, into the candidate's record. A
+        size is judged as soon as its outcome is known: the text left the cut tree, or ran past its last node."""
+        waiting = []
+        for g in self.pending:
+            if context[: len(g.seen)] != g.seen:  # another text: the guess cannot be judged
+                continue
+            path, ended = [0], False
+            for token in context[len(g.seen) :]:
+                child = g.tree.kids[path[-1]].get(token)
+                if child is None:
+                    ended = True
+                    break
+                path.append(child)
+            reach = list(accumulate((g.rank[node] for node in path), max))  # the cut tree holds path[:i] if > reach[i-1]
+            left = []
+            for size in g.sizes:
+                inside = bisect.bisect_left(reach, size)  # the path's nodes in the tree cut to size
+                goes_on = min((g.rank[c] for c in g.tree.kids[path[inside - 1]].values()), default=size) < size
+                if inside == len(path) and not ended and goes_on and len(context) - len(g.seen) < 64:
+                    left.append(size)  # the text has not got past the cut tree yet
+                    continue
+                key = (g.name, size)
+                self.kept[key] = self.average(self.kept.get(key), inside - 1)
+                self.predicted[key] = self.average(self.predicted.get(key), g.summed[min(size, len(g.rank)) - 1])
+            if left:
+                g.sizes = left
+                waiting.append(g)
+        self.pending = waiting
+
+    def trial_due(self, bar: float) -> Optional[str]:
+        """A draft candidate whose trial is due and whose best case beats bar (tokens per second); None if none."""
+        if self.left > 0:
+            return None
+        for name, d in self.drafts.items():
+            best_case = (1 + d.depth) / (self.ask_s + d.depth * self.draft_s + self.round_s(d.depth + 1))
+            if self.due[name] <= self.rounds and name not in self.rates and best_case > bar:
+                return name
+        return None
+
+    def run_draft(self, name: str, context: list[int], budget: int) -> Tree:
+        self.method, self.sizers[name].exploring = name, name == self.trying  # a trial verifies whatever it scores
+        return self.drafts[name].propose(context, budget, self.sizers[name].worth)
 
     def worth(self, gain: float, seconds: float) -> bool:
         return self.sizers[self.method].worth(gain, seconds)
 
-    def choose(self, tree: Tree) -> int:
-        return self.sizers[self.method].choose(tree)
+    def choose(self, tree: Tree) -> int:  # a cheap guess comes cut to its size already
+        return self.sizers[self.method].choose(tree) if self.method in self.drafts else len(tree.tokens)
 
-    def accepted(self, kept: list[int], tree: Tree, p: Tensor):
-        self.candidates[self.method].accepted(kept, tree, p)
+    def accepted(self, kept: list[int], tree: Tree, p: Optional[Tensor]):
+        if self.method != "plain":
+            (self.cheap | self.drafts)[self.method].accepted(kept, tree, p)
 
     def update(self, tree: Tree, kept: int, propose_s: Optional[float], round_s: float):
-        """After a round (see Sizer.update): the chosen candidate's rate and retry wait; the others brought up."""
-        name, chosen = self.method, self.candidates.get(self.method)
-        if chosen is not None:
+        """After a round: the clock's overhead of the round, a draft candidate's rate and trial, and the candidates
+        that sat it out brought up."""
+        name, n = self.method, len(tree.tokens)
+        if name not in self.drafts:
+            self.recent = self.average(self.recent or None, (kept + 1) / round_s)
+            spent = round_s - self.ask_s - (self.cost_of(n) if n > 1 else 0.0)
+            if n > 1:  # from 0, so that one slow round does not start it
+                self.extra_s = 0.9 * self.extra_s + 0.1 * max(0.0, spent)
+            else:
+                self.plain_s = ema(self.plain_s, spent)
+        else:
             self.sizers[name].update(tree, kept, propose_s, round_s)
-            rate = (kept + 1) / ((propose_s or 0.0) + self.cost_of(len(tree.tokens)))
-            old = self.rates.get(name)
-            self.rates[name] = rate if old is None else (1 - self.weight) * old + self.weight * rate
-            ahead = self.rates[name] > max([self.plain_rate()] + [r for n, r in self.rates.items() if n != name])
-            if self.left == 0:  # judged at the end of a trial
-                self.wait[name] = self.retry if ahead else min(2 * self.wait[name], self.longest)
-                self.due[name] = self.rounds + self.wait[name]
-        for other in self.candidates.values():
-            if other is chosen:
+            self.rates[name] = self.average(self.rates.get(name), (kept + 1) / round_s)
+            bar = max(self.recent, self.plain_rate())
+            if self.left == 0 and (name == self.trying or self.rates[name] <= bar):  # a trial's end, or behind
+                won = self.rates[name] > bar
+                self.wait[name] = self.retry if won else min(2 * self.wait[name], self.longest)
+                self.due[name], self.trying = self.rounds + self.wait[name], ""
+                for other in self.drafts if not won else ():  # one draft model: its other methods wait as long
+                    self.due[other] = max(self.due[other], self.due[name])
+                if not won:
+                    del self.rates[name]
+        for other, proposer in (self.cheap | self.drafts).items():
+            if other == name:
                 continue
-            if isinstance(other, Lookahead):
-                other.guess = []
-            if isinstance(other, DraftTree) and isinstance(chosen, DraftTree):
-                other.cached = chosen.cached  # its cache holds what the chosen one's holds: no tokens to re-read
+            if isinstance(proposer, Lookahead):
+                proposer.guess = []
+            if isinstance(proposer, DraftTree) and name in self.drafts:
+                proposer.cached = self.drafts[name].cached  # its cache holds what the chosen one's holds
+
+    def average(self, old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - self.weight) * old + self.weight * new
+
+
+@dataclass(eq=False)  # hashable: a key of the round's expectations
+class Guess:
+    """A cheap candidate's guess, waiting to be judged: rank[node] is its place when best-scored first (as Tree.best
+    picks, the root 0), summed[k] the scores of its k best nodes after the root, sizes the sizes not judged yet."""
+    name: str
+    seen: list  # the context it guessed after
+    tree: Tree
+    rank: list
+    summed: list
+    sizes: list
+
+    @staticmethod
+    def of(name: str, seen: list[int], tree: Tree, sizes: list[int]) -> "Guess":
+        order = sorted(range(len(tree.tokens)), key=lambda i: (-tree.scores[i], i))
+        rank = [0] * len(order)
+        for r, node in enumerate(order):
+            rank[node] = r
+        return Guess(name, seen, tree, rank, list(accumulate((tree.scores[i] for i in order[1:]), initial=0.0)), sizes)
+
+
+def ema(old: float, new: float) -> float:
+    return new if not old else 0.9 * old + 0.1 * new
 
 
 def auto(draft=None, step: Optional[Callable] = None, ngram: int = 3, **options) -> Chooser:
     """The candidates that can run: prompt lookup, a suffix trie and lookahead always; with a draft model also its
-    chain, its tree and its staged tree (which shares the suffix trie). The cheap ones come first, as every
-    candidate is tried once in this order. options: Chooser's."""
+    chain, its tree and its staged tree (which shares the suffix trie). options: Chooser's."""
     trie = Suffix()
     found = {"lookup": Lookup(ngram), "suffix": trie, "lookahead": Lookahead()}
     if draft is not None:

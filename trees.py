@@ -175,18 +175,36 @@ def prompt_lookup(history: list[int], ngram: int, k: int) -> list[int]:
 
 class Lookup:
     """Prompt lookup as a chain: what followed the most recent earlier occurrence of the context's last n-gram
-    (see prompt_lookup), each guess scored below the one before it; the Sizer calibrates the scores."""
+    (what prompt_lookup finds), each guess scored below the one before it; the Sizer calibrates the scores. An
+    index of every n-gram's latest end, brought up to the context as it grows, makes a round's lookup cost O(k)
+    instead of a scan of the whole text."""
 
     def __init__(self, ngram: int = 3):
-        self.ngram = ngram
+        self.ngram, self.seen, self.ends = ngram, [], {}  # ends: n-gram -> where it last ended, in seen[:-1]
+
+    def observe(self, context: list[int]):
+        if context[: len(self.seen)] != self.seen:  # another text
+            self.seen, self.ends = [], {}
+        for j in range(max(0, len(self.seen) - 1), len(context) - 1):  # the last token's n-grams wait for the next
+            for n in range(1, min(self.ngram, j + 1) + 1):
+                self.ends[tuple(context[j - n + 1 : j + 1])] = j
+        self.seen = list(context)
 
     def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
-        tree = Tree([context[-1]])
-        for i, token in enumerate(prompt_lookup(context, self.ngram, budget - 1)):
-            tree.add(i, token, 0.9 ** (i + 1))
+        self.observe(context)
+        tree, k = Tree([context[-1]]), budget - 1
+        for n in range(min(self.ngram, len(context) - 1), 0, -1):
+            end = self.ends.get(tuple(context[-n:]))
+            if end is not None:
+                seq = context[end + 1 :]
+                while len(seq) < k:  # as prompt_lookup: a copy may run into itself
+                    seq = seq + seq[: k - len(seq)]
+                for i, token in enumerate(seq[:k]):  # a shorter match is a weaker guess
+                    tree.add(i, token, 0.9 ** ((i + 1) * self.ngram / n))
+                break
         return tree
 
-    def accepted(self, kept: list[int], tree: Tree, p: Tensor):  # the next propose() reads the context
+    def accepted(self, kept: list[int], tree: Tree, p: Optional[Tensor]):  # the next propose() reads the context
         pass
 
 
@@ -217,12 +235,8 @@ class Suffix:
 
     def observe(self, context: list[int]):
         """Bring the trie up to context: its new tokens only, when it extends what was seen."""
-        same = 0
-        for a, b in zip(self.seen, context):
-            if a != b:
-                break
-            same += 1
-        if same < len(self.seen):  # another text: its suffixes start afresh, the counts stay
+        same = len(self.seen)
+        if context[:same] != self.seen:  # another text: its suffixes start afresh, the counts stay
             self.open, self.seen = [], []
             same = 0
         for token in context[same:]:
@@ -235,13 +249,14 @@ class Suffix:
         if at is None:
             return tree
         total = lambda node: sum(self.count[c] for c in self.kids[node].values())  # noqa: E731
-        heap = [(-self.count[c] / total(at), c, 0, token) for token, c in self.kids[at].items()]
+        first = total(at)
+        heap = [(-self.count[c] / first, c, 0, token) for token, c in self.kids[at].items()]
         heapq.heapify(heap)  # best first: (-score, trie node, tree parent, token); a child scores below its parent
         while heap and len(tree.tokens) < budget:
             score, node, parent, token = heapq.heappop(heap)
-            i = tree.add(parent, token, -score)
+            i, below = tree.add(parent, token, -score), total(node)
             for t, c in self.kids[node].items():
-                heapq.heappush(heap, (score * self.count[c] / total(node), c, i, t))
+                heapq.heappush(heap, (score * self.count[c] / below, c, i, t))
         return tree
 
     def follow(self, path: list[int], k: int) -> list[int]:
@@ -262,7 +277,7 @@ class Suffix:
             guess.append(token)
         return guess
 
-    def accepted(self, kept: list[int], tree: Tree, p: Tensor):  # the next propose() reads the context
+    def accepted(self, kept: list[int], tree: Tree, p: Optional[Tensor]):  # the next propose() reads the context
         pass
 
 
@@ -302,9 +317,13 @@ class Lookahead:
             node = tree.add(node, t, 0.25 ** (i + 1))
         return tree
 
-    def accepted(self, kept: list[int], tree: Tree, p: Tensor):
+    def accepted(self, kept: list[int], tree: Tree, p: Optional[Tensor]):
         """The target's next token after the root and after each guess it saw: the Jacobi step. Its n-grams go to
-        the pool, and what it says about the positions after this round's new root are the next guesses."""
+        the pool, and what it says about the positions after this round's new root are the next guesses. Without
+        a verify pass (p None: the round decoded one token plainly) the guesses move up a position."""
+        if p is None:
+            self.guess = self.guess[1:]
+            return
         top, node, answer = p.argmax(-1).tolist(), 0, []
         for t in [None] + self.guess:
             node = node if t is None else tree.kids[node].get(t)
@@ -392,7 +411,7 @@ class DraftTree:
             added.append(node)
         return added
 
-    def accepted(self, kept: list[int], tree: Tree, p: Tensor):
+    def accepted(self, kept: list[int], tree: Tree, p: Optional[Tensor]):
         """kept: the accepted path as this round's tree indices. The draft keeps the part of it that it has seen."""
         seen = 0
         while seen < len(kept) and kept[seen] in self.grown:
@@ -533,24 +552,24 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
         if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out) < len(out):
             break
         t = time.perf_counter()
-        proposing = sizer.pays()
-        if proposing:
-            full = proposer.propose(prompt + out, max_nodes, sizer.worth)
-            tree, kept = full.best(sizer.choose(full))
-            t_verify = time.perf_counter()
+        full = proposer.propose(prompt + out, max_nodes, sizer.worth) if sizer.pays() else None
+        tree, kept = full.best(sizer.choose(full)) if full is not None else (Tree([out[-1]]), [0])
+        t_verify = time.perf_counter()
+        if len(tree.tokens) > 1:
             p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
             if not bool(torch.isfinite(p[:, 0]).all()):  # tree_probs makes a damaged row NaN throughout
                 raise generate.not_finite(len(out))
             path, nxt = walk(tree, p, greedy)
             compact(model, pos, path)
-            proposer.accepted([kept[i] for i in path], tree, p)
-        else:  # plain decoding this round, by plain decoding's own step; a draft reads the tokens it missed next time
-            tree, path = Tree([out[-1]]), [0]
+        else:  # nothing to verify: plain decoding's own step; a draft reads the tokens it missed next time
+            path, p = [0], None
             nxt = int(steps.decode(model, torch.tensor([[out[-1]]], device=device), slots[pos : pos + 1], None,
                                    kv_bucket(pos + 1, model.max_seq_length), **sampling)[0])
             if nxt == generate.NOT_FINITE:
                 raise generate.not_finite(len(out))
-        sizer.update(tree, len(path) - 1, t_verify - t if proposing else None, time.perf_counter() - t)
+        if full is not None:
+            proposer.accepted([kept[i] for i in path], tree, p)
+        sizer.update(tree, len(path) - 1, t_verify - t if full is not None else None, time.perf_counter() - t)
         accepted += [0] * (len(path) - len(accepted))
         accepted[len(path) - 1] += 1
         proposed += len(tree.tokens) - 1
