@@ -94,48 +94,61 @@ static inline __m256i sum8x8_i32(const __m256i* a) {
 // so sum (w + 128) x = sum w x + 128 sum x, the last taken off once a row; 64 weights a step, its 16 int32 sums
 // converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's), which is quicker
 // than gathering 8 blocks' sums into one vector first (HOW_IT_WORKS.md, "The int8 and int4 products").
-static inline __m256 dot_i8(const XQ& p, const int8_t* w, int64_t K) {
-    __m256 total = _mm256_setzero_ps();
+// R rows of x at once share each load of w, and each row's sums run exactly as they would alone: out[r] = dot_i8
+// of row r.
+template <int R>
+static inline void dot_i8(const XQ* const* p, const int8_t* w, int64_t K, __m256* out) {
+    __m256 total[R];
+    for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
     int64_t k = 0;
 #if WIDE
     const __m512i flip = _mm512_set1_epi8(-128);
-    __m512 wacc = _mm512_setzero_ps();
+    __m512 wacc[R];
+    for (int r = 0; r < R; r++) wacc[r] = _mm512_setzero_ps();
     for (; k + 256 <= K; k += 256) {
-        const __m512 d = _mm512_castps256_ps512(_mm256_loadu_ps(&p.d[k / 32]));
+        __m512 d[R];
+        for (int r = 0; r < R; r++) d[r] = _mm512_castps256_ps512(_mm256_loadu_ps(&p[r]->d[k / 32]));
         for (int i = 0; i < 4; i++) {
             ahead(w + k + 64 * i);
             __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + k + 64 * i), flip);
-            __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(&p.q[k + 64 * i]));
             const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1);
-            wacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, d), wacc);
+            for (int r = 0; r < R; r++) {
+                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(&p[r]->q[k + 64 * i]));
+                wacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, d[r]), wacc[r]);
+            }
         }
     }
-    total = _mm256_add_ps(_mm512_castps512_ps256(wacc),
-                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc), 1)));
-    if (k < K) {  // the last blocks, fewer than 8 (d is 0 past the last)
-        __m256i acc[8];
-        for (int i = 0; i < 8; i++) {
-            acc[i] = _mm256_setzero_si256();
-            if (k + 32 * i >= K) continue;  // nothing read past the row
-            __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k + 32 * i)), _mm256_set1_epi8(-128));
-            acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p.q[k + 32 * i]));
+    for (int r = 0; r < R; r++)
+        total[r] = _mm256_add_ps(_mm512_castps512_ps256(wacc[r]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc[r]), 1)));
+    if (k < K)  // the last blocks, fewer than 8 (d is 0 past the last)
+        for (int r = 0; r < R; r++) {
+            __m256i acc[8];
+            for (int i = 0; i < 8; i++) {
+                acc[i] = _mm256_setzero_si256();
+                if (k + 32 * i >= K) continue;  // nothing read past the row
+                __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k + 32 * i)),
+                                             _mm256_set1_epi8(-128));
+                acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p[r]->q[k + 32 * i]));
+            }
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p[r]->d[k / 32]), total[r]);
         }
-        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p.d[k / 32]), total);
-    }
 #else
     for (; k < K; k += 32) {
         ahead(w + k, AHEAD4);
-        __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), x = _mm256_loadu_si256((const __m256i*)&p.q[k]);
-        __m256i a = _mm256_sign_epi8(v, v), sx = _mm256_sign_epi8(x, v);
+        __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), a = _mm256_sign_epi8(v, v);
+        for (int r = 0; r < R; r++) {
+            __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)&p[r]->q[k]), v);
 #ifdef __AVX512VNNI__
-        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, sx);
+            __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, sx);
 #else
-        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1));
+            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1));
 #endif
-        total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&p.d[k / 32]), total);
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&p[r]->d[k / 32]), total[r]);
+        }
     }
 #endif
-    return total;
+    for (int r = 0; r < R; r++) out[r] = total[r];
 }
 
 // 64 packed int4 weights (32 bytes) times 64 int8 x in even-odd order -> 8 int32 sums of 8 products each
@@ -345,53 +358,6 @@ static inline float dot_i8_exact(const float* x, const int8_t* w, int64_t K) {
     return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
 }
 
-// Many rows of x (prefill, verification): tiles of 2 rows of x by 2 rows of w, as tile_i4 below; out[a][b] =
-// x row a . w row b, before w's row scale
-static inline void tile_i8(const XQ* xr[2], const int8_t* wr[2], int64_t K, float out[2][2]) {
-    __m256 acc[2][2];
-    for (int a = 0; a < 2; a++)
-        for (int b = 0; b < 2; b++) acc[a][b] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m256i v[2], av[2];
-        for (int b = 0; b < 2; b++)
-            v[b] = _mm256_loadu_si256((const __m256i*)(wr[b] + k)), av[b] = _mm256_sign_epi8(v[b], v[b]);
-        for (int a = 0; a < 2; a++) {
-            __m256i x = _mm256_loadu_si256((const __m256i*)&xr[a]->q[k]);
-            __m256 d = _mm256_broadcast_ss(&xr[a]->d[k / 32]);
-            for (int b = 0; b < 2; b++) {
-                __m256i sx = _mm256_sign_epi8(x, v[b]);
-#ifdef __AVX512VNNI__
-                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), av[b], sx);
-#else
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(av[b], sx), _mm256_set1_epi16(1));
-#endif
-                acc[a][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[a][b]);
-            }
-        }
-    }
-    for (int a = 0; a < 2; a++)
-        for (int b = 0; b < 2; b++) out[a][b] = hsum8(acc[a][b]);
-}
-
-static constexpr int64_t NB = 32;  // rows of w per task: they stay in L2 while every pair of x rows goes over them
-
-static void gemm_i8(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* scales, void* y, int64_t M, int64_t N,
-                    int64_t K, int64_t f32) {
-    #pragma omp parallel for schedule(dynamic)
-    for (int64_t n0 = 0; n0 < N; n0 += NB)
-        for (int64_t m = 0; m < M; m += 2)
-            for (int64_t n = n0; n < N && n < n0 + NB; n += 2) {
-                const int64_t m1 = m + 1 < M ? m + 1 : m, n1 = n + 1 < N ? n + 1 : n;  // odd ones: twice
-                const XQ* xr[2] = {&xq[m], &xq[m1]};
-                const int8_t* wr[2] = {w + n * K, w + n1 * K};
-                float o[2][2];
-                tile_i8(xr, wr, K, o);
-                for (int a = 0; a < 2 && m + a < M; a++)
-                    for (int b = 0; b < 2 && n + b < N; b++)
-                        put(y, (m + a) * N + n + b, o[a][b] * from_bf16(scales[n + b]), f32);
-            }
-}
-
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
@@ -408,47 +374,68 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
         return;
     }
     std::vector<XQ>& xq = xq_;  // (by reference in the parallel regions: a thread_local name is each thread's own)
-    xq.resize(M);
+    static thread_local vec<float> shift_;
+    vec<float>& shift = shift_;  // per row of x: FLIP x sum of c
+    xq.resize(M), shift.resize(M);
     #pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, 32, 0, xq[m]);
-    if (M > 1) {
-        gemm_i8(xq, w, scales, y, M, N, K, f32);
-        return;
+    for (int64_t m = 0; m < M; m++) {
+        prepare(x + m * K, K, 32, 0, xq[m]);
+        shift[m] = 0.f;
+        for (int64_t b = 0; FLIP && b < K / 32; b++) shift[m] += FLIP * xq[m].c[b];
     }
-    float shift = 0.f;  // FLIP x sum of c
-    for (int64_t b = 0; FLIP && b < K / 32; b++) shift += FLIP * xq[0].c[b];
+    // Each weight row is read from memory once, 8 rows' sums reduced together. Several rows of x (a verify pass) go
+    // over the 8 rows while they are in cache, each summed exactly as it would be alone: a row's result does not
+    // depend on the rows beside it, so verifying a token computes what decoding it does.
     share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
-        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {  // each weight row is read from memory once;
-            const int64_t rows = N - n0 < 8 ? N - n0 : 8;                 // 8 rows' sums reduced together
-            __m256 t[8];
-            for (int64_t i = 0; i < 8; i++) t[i] = dot_i8(xq[0], w + (n0 + (i < rows ? i : 0)) * K, K);
-            alignas(32) float o[8];
-            _mm256_store_ps(o, sum8x8(t));
-            for (int64_t i = 0; i < rows; i++) put(y, n0 + i, (o[i] - shift) * from_bf16(scales[n0 + i]), f32);
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            for (int64_t m = 0; m < M;) {
+                const XQ* xr[4] = {&xq[m], &xq[m + 1 < M ? m + 1 : m], &xq[m + 2 < M ? m + 2 : m], &xq[m + 3 < M ? m + 3 : m]};
+                const int64_t r = M - m >= 4 ? 4 : 1;  // 4 rows of x a pass, the last few one by one
+                __m256 t[4][8], u[4];
+                for (int64_t i = 0; i < 8; i++) {
+                    const int8_t* wi = w + (n0 + (i < rows ? i : 0)) * K;
+                    if (r == 4) dot_i8<4>(xr, wi, K, u); else dot_i8<1>(xr, wi, K, u);
+                    for (int64_t j = 0; j < r; j++) t[j][i] = u[j];
+                }
+                for (int64_t j = 0; j < r; j++, m++) {
+                    alignas(32) float o[8];
+                    _mm256_store_ps(o, sum8x8(t[j]));
+                    for (int64_t i = 0; i < rows; i++)
+                        put(y, m * N + n0 + i, (o[i] - shift[m]) * from_bf16(scales[n0 + i]), f32);
+                }
+            }
         }
     });
 }
 
-// One row of x. 8 weight rows at a time, their sums reduced together rather than each at the end of its row.
+// Rows of x one at a time, 8 weight rows at a time, their sums reduced together rather than each at the end of its
+// row. Several rows of x (a verify pass) go over the 8 weight rows while they are in cache, each summed exactly as
+// it would be alone: a row's result does not depend on the rows beside it.
 template <int G, bool wide>
-static void gemv_i4(const XQ& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y, int64_t N,
-                    int64_t K, int64_t f32) {
+static void gemv_i4(const XQ* xq, int64_t M, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y,
+                    int64_t N, int64_t K, int64_t f32) {
     share_rows((N + 7) / 8, 8 * (K / 2 + K / G * 4), CHUNK_BYTES, [&](int64_t a, int64_t b) {
         for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
             const int64_t rows = N - n0 < 8 ? N - n0 : 8;
-            __m256 t[8];
-            for (int64_t i = 0; i < 8; i++) {
-                const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
-                t[i] = dot_i4<G, wide>(xq, w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
+            for (int64_t m = 0; m < M; m++) {
+                __m256 t[8];
+                for (int64_t i = 0; i < 8; i++) {
+                    const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
+                    t[i] = dot_i4<G, wide>(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
+                }
+                alignas(32) float o[8];
+                _mm256_store_ps(o, sum8x8(t));
+                for (int64_t i = 0; i < rows; i++) put(y, m * N + n0 + i, o[i], f32);
             }
-            alignas(32) float o[8];
-            _mm256_store_ps(o, sum8x8(t));
-            for (int64_t i = 0; i < rows; i++) put(y, n0 + i, o[i], f32);
         }
     });
 }
 
-// Many rows of x (prefill, verification): a tile of 2 rows of x by 2 rows of w, so that each weight vector
+static constexpr int64_t NB = 32;  // rows of w per task: they stay in L2 while every pair of x rows goes over them
+static constexpr int64_t VERIFY_ROWS = 32;  // int4 products of up to this many rows (a verify pass) sum each row alone
+
+// Many rows of x (prefill): a tile of 2 rows of x by 2 rows of w, so that each weight vector
 // unpacked serves both rows of x and each x vector loaded serves both rows of w, with 4 accumulators of each kind
 // in registers. per[b] points at w row b's scales, 8 x its scales and its zeros as floats (groups padded to a
 // multiple of 8 with zeros); out[a][b] = x row a . w row b.
@@ -548,18 +535,18 @@ void fast_decode::gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t*
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ>& xq = xq_;
     xq.resize(M);
-    const bool wide = WIDE && M == 1;
+    const bool wide = WIDE && M <= VERIFY_ROWS;
     #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, wide ? 128 : 64, xq[m]);
-    if (M > 1) {
+    if (M > VERIFY_ROWS) {  // prefill: tiles, each row's sums in another order than alone
         if (G == 32) gemm_i4<32>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
         else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
-    } else if (G == 32) (wide ? gemv_i4<32, true> : gemv_i4<32, false>)(xq[0], w, scales, zeros, y, N, K, f32);
-    else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq[0], w, scales, zeros, y, N, K, f32);
-    else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq[0], w, scales, zeros, y, N, K, f32);
-    else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq[0], w, scales, zeros, y, N, K, f32);
+    } else if (G == 32) (wide ? gemv_i4<32, true> : gemv_i4<32, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
 }
 
 // prefill's int4 weights: w [N, K / 2] packed, scales and zeros [N, K / G] -> out [N, K] in fp32 (or bf16), for a

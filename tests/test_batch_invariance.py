@@ -9,6 +9,7 @@ import torch
 
 import cpu_gemv
 import generate as gen
+import quantize
 import speculative
 from checkpoint import load_model
 from generate import DEFAULT_CHECKPOINT
@@ -29,16 +30,20 @@ def kernels(request):
     torch.set_num_threads(threads)
 
 
-def bf16_model(head_dim: int, kv_cache=None) -> Transformer:
+def bf16_model(head_dim: int, kv_cache=None, weights: str = "bf16") -> Transformer:
     """A random model on the CPU kernels with three query heads per KV head (as SmolLM2 has), and a cache long
-    enough that the attention splits it into several parts."""
+    enough that the attention splits it into several parts; weights "bf16", "int8" or "int4" (activations bf16)."""
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=64, n_layer=2, n_head=6, n_kv_head=2, dim=6 * head_dim, intermediate_size=96,
                      block_size=1024)
     model = Transformer(args).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    model = model.bfloat16()
+    if weights != "bf16":
+        state = quantize.quantized_state(model, weights, 32)
+        model = quantize.install(Transformer(args), weights, 32)
+        model.load_state_dict(state, assign=True)
+    model = model.bfloat16().eval()
     cpu_gemv.install(model)
     model.setup_caches(1, 1024, kv_cache)
     return model
@@ -67,6 +72,41 @@ def test_a_verify_pass_computes_each_position_as_decoding_it_alone_does(kernels,
                      kv_bucket(T + M, model.max_seq_length))[0]
         one = decode(model, tokens[T:], T)
         assert all(torch.equal(one[i], many[i]) for i in range(M)), (T, M)
+
+
+@pytest.mark.parametrize("K", [576, 608, 2048])  # 608: 2 steps of 256 and a last few blocks
+@pytest.mark.parametrize("f32", [False, True])  # True: the output head's product
+@torch.inference_mode()
+def test_an_int8_weight_product_computes_each_row_as_it_would_alone(kernels, K, f32):
+    torch.manual_seed(K)
+    w, scales = torch.randint(-127, 128, (40, K), dtype=torch.int8), (torch.rand(40) / 50).bfloat16()
+    x = torch.randn(32, K).bfloat16()
+    alone = torch.cat([torch.ops.fast_decode.gemv_int8(x[m : m + 1], w, scales, f32) for m in range(32)])
+    for M in (2, 3, 5, 8, 17, 32):
+        assert torch.equal(torch.ops.fast_decode.gemv_int8(x[:M], w, scales, f32), alone[:M]), M
+
+
+@pytest.mark.parametrize("K, G", [(576, 32), (576, 64), (1024, 128), (2048, 256)])
+@torch.inference_mode()
+def test_an_int4_weight_product_of_up_to_32_rows_computes_each_row_as_it_would_alone(kernels, K, G):
+    torch.manual_seed(K + G)
+    q, scales, zeros = quantize.quantize_int4(torch.randn(40, K), G)
+    w, x = quantize.pack_nibbles(q), torch.randn(32, K).bfloat16()
+    alone = torch.cat([torch.ops.fast_decode.gemv_int4(x[m : m + 1], w, scales, zeros) for m in range(32)])
+    for M in (2, 3, 5, 8, 17, 32):
+        assert torch.equal(torch.ops.fast_decode.gemv_int4(x[:M], w, scales, zeros), alone[:M]), M
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@torch.inference_mode()
+def test_a_verify_pass_with_quantized_weights_computes_what_decoding_does(kernels, weights):
+    model = bf16_model(64, weights=weights)
+    rng = random.Random(5)
+    tokens = [rng.randrange(64) for _ in range(120)]
+    prefill(model, tokens[:100])
+    many = model(torch.tensor([tokens[100:]]), torch.arange(100, 120), None, kv_bucket(120, model.max_seq_length))[0]
+    one = decode(model, tokens[100:], 100)
+    assert all(torch.equal(one[i], many[i]) for i in range(20))
 
 
 def random_tree(rng, root: int, nodes: int) -> Tree:
