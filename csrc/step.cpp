@@ -83,10 +83,10 @@ static void store_kv(const Model& m, const Layer& l, const uint16_t* k, const ui
     }
 }
 
-static void product(const Linear& l, const uint16_t* x, void* y, int64_t f32 = 0) {
-    if (l.kind == 0) gemv_bf16(x, (const uint16_t*)l.w, y, 1, l.n, l.k, f32);
-    else if (l.kind == 1) gemv_int8(x, (const int8_t*)l.w, (const uint16_t*)l.scales, y, 1, l.n, l.k, f32);
-    else gemv_int4(x, (const uint8_t*)l.w, (const uint16_t*)l.scales, (const uint16_t*)l.zeros, y, 1, l.n, l.k, l.group,
+static void product(const Linear& l, const uint16_t* x, void* y, int64_t f32 = 0, int64_t M = 1) {
+    if (l.kind == 0) gemv_bf16(x, (const uint16_t*)l.w, y, M, l.n, l.k, f32);
+    else if (l.kind == 1) gemv_int8(x, (const int8_t*)l.w, (const uint16_t*)l.scales, y, M, l.n, l.k, f32);
+    else gemv_int4(x, (const uint8_t*)l.w, (const uint16_t*)l.scales, (const uint16_t*)l.zeros, y, M, l.n, l.k, l.group,
                    f32);
 }
 
@@ -134,13 +134,12 @@ void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float*
     product(m.out, xn.data(), logits, 1);
 }
 
-// rows of x (stride apart) through l into y (ystride apart): one product of all rows where l is bf16 and x packed,
-// else a product a row; either way each row comes out as the one-row step computes it (the bf16 product reads the
-// weights once for all rows and sums every row alike; the quantized ones round x and sum in other orders for more
-// rows than one)
+// rows of x (stride apart) through l into y (ystride apart): one product of all rows where x and y are packed, else
+// a product a row; either way each row comes out as the one-row step computes it (the products of up to 32 rows
+// read the weights once for all rows and sum every row as one row alone)
 static void products(const Linear& l, const uint16_t* x, int64_t stride, int64_t M, void* y, int64_t ystride,
                      int64_t f32 = 0) {
-    if (l.kind == 0 && stride == l.k) return gemv_bf16(x, (const uint16_t*)l.w, y, M, l.n, l.k, f32);
+    if (stride == l.k && ystride == l.n) return product(l, x, y, f32, M);
     for (int64_t i = 0; i < M; i++) product(l, x + i * stride, (char*)y + i * ystride * (f32 ? 4 : 2), f32);
 }
 

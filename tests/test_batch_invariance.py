@@ -160,13 +160,13 @@ def test_every_speculative_method_decodes_greedily_what_plain_decoding_does_in_b
         assert loop([prompt]).rows[0] == plain, speculate
 
 
-@pytest.mark.parametrize("kv_cache", [None, torch.int8])
+@pytest.mark.parametrize("kv_cache, weights", [(None, "bf16"), (torch.int8, "bf16"), (None, "int8")])
 @torch.inference_mode()
-def test_the_cpp_steps_verify_rows_compute_what_its_one_token_step_computes(kernels, kv_cache):
+def test_the_cpp_steps_verify_rows_compute_what_its_one_token_step_computes(kernels, kv_cache, weights):
     """With compiled steps, batch-1 decoding runs cpu_step's C++ step and verify passes its rows (a chain, then a
     token tree): each row is that step's logits for its token, bit for bit."""
     import cpu_step
-    model = bf16_model(64, kv_cache)
+    model = bf16_model(64, kv_cache, weights)
     rng = random.Random(4)
     base, tokens = 250, [rng.randrange(64) for _ in range(262)]
     prefill(model, tokens[:base])
