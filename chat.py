@@ -154,8 +154,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill with dynamic shapes")
     p.add_argument("--speculate", default="auto", choices=["auto", "plain", "lookup", "suffix", "lookahead"],
-                   help="auto (the default): each round the method that has paid best so far, or plain decoding "
-                   "when none pays (and always with a grammar); or one method forced")
+                   help="auto (the default): each round the guess expected to pay best, or plain decoding "
+                   "when none does (and always with a grammar); or one method forced")
     p.add_argument("--prompt_lookup", type=cli.positive_int, metavar="N", help="speculate by looking the last N "
                    "tokens up in the conversation (good when replies quote it)")
     p.add_argument("--speculate_k", type=cli.positive_int, default=8, help="with --prompt_lookup: tokens per guess")

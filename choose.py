@@ -29,7 +29,7 @@ class Chooser:
     out is judged all the same. (With sampling the text that came is one draw, so a tree's alternatives are
     undercounted a little.)
 
-    Draft candidates are tried `trial` rounds at a time, from round 8 on, while the best they could do (every guess
+    Draft candidates are tried `trial` rounds at a time, from round 16 on, while the best they could do (every guess
     kept, one draft pass a level) beats the latest rounds without them, plain decoding and this round's best guess. One runs a round while
     its average tokens per second over its rounds (by the clock) beats both and this round's best guess; one that
     falls behind waits `retry` rounds for its next trial, twice as long after every trial it loses, up to `longest`,
@@ -50,7 +50,7 @@ class Chooser:
         self.predicted: dict = {}  # (cheap candidate, size) -> and the average sum of their scores
         self.pending: list = []  # (candidate, the context it guessed after, its guess cut to size)
         self.rates: dict = {}  # draft candidate -> tokens per second over its rounds, once it has run
-        self.wait, self.due = dict.fromkeys(self.drafts, retry), dict.fromkeys(self.drafts, 8)  # trials: spacing, next
+        self.wait, self.due = dict.fromkeys(self.drafts, retry), dict.fromkeys(self.drafts, 16)  # trials: spacing, next
         self.rounds, self.method, self.trying, self.left, self.recent = 0, "plain", "", 0, 0.0  # recent: tokens/s
         # of the latest rounds without a draft, by the clock
         self.plain_s = self.draft_s = self.ask_s = self.extra_s = 0.0  # a plain round's, a draft pass's, asking's,

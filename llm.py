@@ -69,8 +69,8 @@ class LLM:
     def generate(self, prompt: Union[str, list[str]], **options) -> Union[Completion, list[Completion]]:
         """The continuation of prompt (a str: one Completion), or of each prompt of a list (a batch: a list of
         Completions). Keywords: max_new_tokens=200, temperature=0.8 (0: greedy), top_k=200, top_p=1.0, seed,
-        stop (a list of strings), ignore_eos; speculate ("auto", the default: each round the method that pays best
-        so far among those below, or plain decoding when none pays, and always for a batch or with a grammar; None
+        stop (a list of strings), ignore_eos; speculate ("auto", the default: each round the guess expected to pay
+        best among those below, or plain decoding when none pays, and always for a batch or with a grammar; None
         or "plain"; or one forced: "draft", "tree", "staged", "lookup", "suffix", "lookahead"), speculate_k=4,
         ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text), regex, grammar (Lark text); chat
         (the prompt as a user turn in the chat template), system; callback(text), called with the first row's new

@@ -6,7 +6,7 @@ copies what followed the most recent earlier occurrence of the context's last n-
 One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
 reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU each extra position costs real
 arithmetic, which is why the rules here measure costs instead of assuming them. Which proposer pays depends on the
-machine and the text, so by default (--speculate auto) each round takes the one that has paid best so far, among
+machine and the text, so by default (--speculate auto) each round takes the guess expected to pay best, among
 these and the token trees of trees.py, or decodes plainly when none pays (choose.py)."""
 import os
 import signal
@@ -226,7 +226,7 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
               guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None,
               chooser: Optional[choose.Chooser] = None, **sampling) -> Callable:
     """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0) -> Generation.
-    speculate: "auto" (the default: each round the method that pays best so far, among prompt lookup, suffix,
+    speculate: "auto" (the default: each round the guess expected to pay best, among prompt lookup, suffix,
     lookahead and, with a draft model, its chain, tree and staged tree, or plain decoding when none pays; see
     choose.Chooser), None or "plain" (plain decoding, any batch), or one batch-1 proposer: "draft" (a chain from
     the draft model, its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft
@@ -288,7 +288,7 @@ def speculate_of(args) -> str:
 def parser():
     p = cli.generate_parser(__doc__)
     p.add_argument("--speculate", default="auto", choices=SPECULATE + ("plain",), help="auto (the default): each "
-                   "round the method that has paid best so far, or plain decoding when none pays (and always with "
+                   "round the guess expected to pay best, or plain decoding when none does (and always with "
                    "a grammar or a batch); or one method forced: draft (the draft model's chain), tree, staged, "
                    "lookup, suffix, lookahead, or plain")
     p.add_argument("--draft_checkpoint_path", type=Path, help="a small draft model with the same tokenizer: "

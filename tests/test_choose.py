@@ -27,7 +27,8 @@ def scrambled(context: list[int]) -> int:  # a text nothing predicts: noise, shi
 
 def drive(chooser: Chooser, following, prompt: list[int], n: int, max_nodes: int = 16) -> list[tuple[str, int]]:
     """tree_generate's rounds without a model: following(context) is the target's greedy next token, proposing
-    takes no time and verifying costs what chooser.cost says. Each round's method and its new tokens."""
+    takes no time and a round takes what chooser.cost says its verify pass costs. Each round's method and its new
+    tokens."""
     context, rounds = list(prompt), []
     while len(context) < len(prompt) + n:
         full = chooser.propose(context, max_nodes, chooser.worth) if chooser.pays() else None
@@ -38,7 +39,7 @@ def drive(chooser: Chooser, following, prompt: list[int], n: int, max_nodes: int
         path, nxt = walk(tree, p, greedy=True)
         if full is not None:
             chooser.accepted([kept[i] for i in path], tree, p if len(tree.tokens) > 1 else None)
-        chooser.update(tree, len(path) - 1, 0.0 if full is not None else None, 1.0)
+        chooser.update(tree, len(path) - 1, 0.0 if full is not None else None, chooser.cost_of(len(tree.tokens)))
         rounds.append((chooser.method if len(tree.tokens) > 1 else "plain", len(path)))
         context += [tree.tokens[i] for i in path[1:]] + [nxt]
     return rounds
@@ -166,7 +167,7 @@ def test_a_draft_method_that_loses_its_trial_is_tried_ever_less_often():
     rounds = drive(with_costs(Chooser({"draft": WrongDraft()})), scrambled, [3, 9, 4, 12, 5, 8, 11], 300)
     trials = [i for i, (m, _) in enumerate(rounds) if m == "draft" and (i == 0 or rounds[i - 1][0] != "draft")]
     gaps = [b - a for a, b in zip(trials, trials[1:])]
-    assert trials[0] == 7 and len(trials) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # from round 8 on
+    assert trials[0] == 15 and len(trials) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # from round 16 on
     assert all(rounds[i + 1][0] == "draft" != rounds[i + 2][0] for i in trials)  # 2 rounds each
 
 
