@@ -38,7 +38,7 @@ class Chooser:
     guesses are dropped (their positions have passed), and draft trees on one draft model share its cache position."""
 
     def __init__(self, candidates: dict, retry: int = 16, longest: int = 256, weight: float = 0.1, trial: int = 2,
-                 margin: float = 1.1):
+                 margin: float = 1.25):
         if not candidates:
             raise ValueError("the chooser needs at least one proposer")
         self.retry, self.longest, self.weight, self.trial, self.margin = retry, longest, weight, trial, margin
