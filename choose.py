@@ -30,12 +30,12 @@ class Chooser:
     undercounted a little.)
 
     Draft candidates are tried `trial` rounds at a time, from round 16 on, while the best they could do (every guess
-    kept, one draft pass a level) beats the latest rounds without them, plain decoding and this round's best guess. One runs a round while
-    its average tokens per second over its rounds (by the clock) beats both and this round's best guess; one that
-    falls behind waits `retry` rounds for its next trial, twice as long after every trial it loses, up to `longest`,
-    and the draft model's other methods wait as long. Candidates that sat a
-    round out stay correct: the suffix trie and the n-gram pools read the context when next asked, Lookahead's
-    guesses are dropped (their positions have passed), and draft trees on one draft model share its cache position."""
+    kept, one draft pass a level) beats the latest rounds without them, plain decoding and this round's best guess.
+    One runs a round while its tokens per second over its rounds (by the clock) beats those three; one that falls
+    behind waits `retry` rounds for its next trial, twice as long after every trial it loses, up to `longest`, and
+    the draft model's other methods wait as long. Candidates that sat a round out stay correct: the suffix trie and
+    the n-gram pools read the context when next asked, Lookahead's guesses are dropped (their positions have
+    passed), and draft trees on one draft model share its cache position."""
 
     def __init__(self, candidates: dict, retry: int = 16, longest: int = 256, weight: float = 0.1, trial: int = 2,
                  margin: float = 1.25):
@@ -48,7 +48,7 @@ class Chooser:
         self.sizers = {name: Sizer(cost=self.cost) for name in self.drafts}  # a draft tree's size, as forced
         self.kept: dict = {}  # (cheap candidate, size) -> average tokens its guesses cut to size had kept
         self.predicted: dict = {}  # (cheap candidate, size) -> and the average sum of their scores
-        self.pending: list = []  # (candidate, the context it guessed after, its guess cut to size)
+        self.pending: list = []  # the cheap candidates' Guesses the text has not gone past yet
         self.rates: dict = {}  # draft candidate -> tokens per second over its rounds, once it has run
         self.wait, self.due = dict.fromkeys(self.drafts, retry), dict.fromkeys(self.drafts, 16)  # trials: spacing, next
         self.rounds, self.method, self.trying, self.left, self.recent = 0, "plain", "", 0, 0.0  # recent: tokens/s
@@ -143,7 +143,8 @@ class Chooser:
                     ended = True
                     break
                 path.append(child)
-            reach = list(accumulate((g.rank[node] for node in path), max))  # the cut tree holds path[:i] if > reach[i-1]
+            # the tree cut to a size holds path[:i] while the size is above reach[i - 1]
+            reach = list(accumulate((g.rank[node] for node in path), max))
             left = []
             for size in g.sizes:
                 inside = bisect.bisect_left(reach, size)  # the path's nodes in the tree cut to size

@@ -166,11 +166,15 @@ def prompt_lookup(history: list[int], ngram: int, k: int) -> list[int]:
         tail = history[-n:]
         for start in range(len(history) - n - 1, -1, -1):
             if history[start : start + n] == tail:
-                seq = history[start + n :]
-                while len(seq) < k:
-                    seq = seq + seq[: k - len(seq)]
-                return seq[:k]
+                return repeated(history[start + n :], k)
     return []
+
+
+def repeated(seq: list[int], k: int) -> list[int]:
+    """seq's first k tokens, seq repeated where it is shorter (a copy running into what it produces)."""
+    while len(seq) < k:
+        seq = seq + seq[: k - len(seq)]
+    return seq[:k]
 
 
 class Lookup:
@@ -196,10 +200,7 @@ class Lookup:
         for n in range(min(self.ngram, len(context) - 1), 0, -1):
             end = self.ends.get(tuple(context[-n:]))
             if end is not None:
-                seq = context[end + 1 :]
-                while len(seq) < k:  # as prompt_lookup: a copy may run into itself
-                    seq = seq + seq[: k - len(seq)]
-                for i, token in enumerate(seq[:k]):  # a shorter match is a weaker guess
+                for i, token in enumerate(repeated(context[end + 1 :], k)):  # a shorter match is a weaker guess
                     tree.add(i, token, 0.9 ** ((i + 1) * self.ngram / n))
                 break
         return tree

@@ -131,7 +131,8 @@ static inline void dot_i8(const XQ* const* p, const int8_t* w, int64_t K, __m256
                                              _mm256_set1_epi8(-128));
                 acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p[r]->q[k + 32 * i]));
             }
-            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p[r]->d[k / 32]), total[r]);
+            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p[r]->d[k / 32]),
+                                       total[r]);
         }
 #else
     for (; k < K; k += 32) {
@@ -390,7 +391,8 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
         for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
             const int64_t rows = N - n0 < 8 ? N - n0 : 8;
             for (int64_t m = 0; m < M;) {
-                const XQ* xr[4] = {&xq[m], &xq[m + 1 < M ? m + 1 : m], &xq[m + 2 < M ? m + 2 : m], &xq[m + 3 < M ? m + 3 : m]};
+                const XQ* xr[4] = {&xq[m], &xq[m + 1 < M ? m + 1 : m], &xq[m + 2 < M ? m + 2 : m],
+                                   &xq[m + 3 < M ? m + 3 : m]};
                 const int64_t r = M - m >= 4 ? 4 : 1;  // 4 rows of x a pass, the last few one by one
                 __m256 t[4][8], u[4];
                 for (int64_t i = 0; i < 8; i++) {

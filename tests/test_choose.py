@@ -158,8 +158,8 @@ class WrongDraft(DraftTree):
 
 
 def test_a_draft_method_is_not_tried_while_the_cheap_guesses_yield_more_than_it_could():
-    rounds = drive(with_costs(Chooser({"lookup": Lookup(), "draft": WrongDraft()})), periodic, [3, 9, 4, 12, 5, 8, 11] * 2,
-                   200)
+    chooser = with_costs(Chooser({"lookup": Lookup(), "draft": WrongDraft()}))
+    rounds = drive(chooser, periodic, [3, 9, 4, 12, 5, 8, 11] * 2, 200)
     assert "draft" not in {m for m, _ in rounds}  # lookup keeps 15 a round; 7 tokens at most, in 2.2 s, could not pay
 
 
