@@ -362,3 +362,15 @@ def test_the_best_nodes_leave_out_a_node_whose_parent_is_not_among_them():
     tree.add(0, 4, 0.5)
     best, kept = tree.best(3)  # the root, the child that outscores its parent, and 4
     assert kept == [0, 3] and best.tokens == [1, 4]
+
+
+def test_lookups_index_guesses_what_prompt_lookup_finds_as_the_text_grows():
+    rng = random.Random(0)
+    for _ in range(100):
+        text = [rng.randrange(rng.choice([3, 5, 20])) for _ in range(rng.randint(1, 60))]
+        lookup = trees.Lookup(rng.choice([1, 2, 3]))
+        for cut in range(1, len(text) + 1):  # one Lookup over the growing text, as a generation feeds it
+            k = rng.randint(1, 12)
+            assert lookup.propose(text[:cut], k + 1).tokens[1:] == trees.prompt_lookup(text[:cut], lookup.ngram, k)
+        other = [rng.randrange(5) for _ in range(20)]  # another text: the index starts afresh
+        assert lookup.propose(other, 9).tokens[1:] == trees.prompt_lookup(other, lookup.ngram, 8)
