@@ -479,8 +479,9 @@ def print_summary(m: dict):
     memory = " / ".join(f"{x:.2f}" for x in per_rank) + " GB per rank" if per_rank else f"{m['peak_memory_gb']:.2f} GB"
     print(f"Bandwidth achieved: {m['bandwidth_gb_s']:.2f} GB/s | peak memory: {memory}")
     if m["accept_histogram"] is not None:
+        rate = "none proposed" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.1%}"
         print(f"Speculative: {m['target_forwards']} target forwards | mean drafted / accepted per verify: "
-              f"{m['mean_drafted']:.2f} / {m['mean_accepted']:.2f} | acceptance rate: {m['acceptance_rate']:.1%}")
+              f"{m['mean_drafted']:.2f} / {m['mean_accepted']:.2f} | acceptance rate: {rate}")
         print(f"Accepted proposals per verify (histogram, 0..k): {m['accept_histogram']}")
     if m.get("tree_sizes"):
         print("Tree size per verify, chosen by measured cost (nodes: passes): "

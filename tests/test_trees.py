@@ -374,3 +374,14 @@ def test_lookups_index_guesses_what_prompt_lookup_finds_as_the_text_grows():
             assert lookup.propose(text[:cut], k + 1).tokens[1:] == trees.prompt_lookup(text[:cut], lookup.ngram, k)
         other = [rng.randrange(5) for _ in range(20)]  # another text: the index starts afresh
         assert lookup.propose(other, 9).tokens[1:] == trees.prompt_lookup(other, lookup.ngram, 8)
+
+
+def test_the_figures_say_so_when_no_round_proposed_anything(capsys):
+    import cli
+
+    class Never(trees.Sizer):  # every round decodes plainly
+        def pays(self):
+            return False
+    out = trees.tree_generate(tiny(), [1, 2, 3], 6, trees.Lookup(), 8, sizer=Never(), temperature=0)
+    cli.print_summary(out.metrics(0))
+    assert "acceptance rate: none proposed" in capsys.readouterr().out
