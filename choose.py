@@ -22,20 +22,20 @@ class Chooser:
     Cheap candidates (no draft model): every round each proposes, and its guess waits until the text has gone past
     it. Then, for each size the verify costs were measured at, the tokens it would have had kept cut to that size
     (the nodes the text follows among its best-scored ones) and the sum of those nodes' scores go into running
-    averages: their ratio, alpha, calibrates the candidate's scores at that size. A round's guess cut to a size is
+    averages (plain means over the first 1 / weight guesses, so that the first guess weighs no more than the next): their ratio, alpha, calibrates the candidate's scores at that size. A round's guess cut to a size is
     expected to yield 1 + alpha x its scores, in the verify cost of that size plus the rounds' measured overhead;
     the round verifies the guess and size expected to yield the most tokens per second if that beats plain
     decoding's measured round by `margin`, else it decodes plainly. Nothing needs exploring: a candidate that sat
     out is judged all the same. (With sampling the text that came is one draw, so a tree's alternatives are
     undercounted a little.)
 
-    Draft candidates are tried `trial` rounds at a time, from round 16 on, while the best they could do (every guess
-    kept, one draft pass a level) beats the latest rounds without them, plain decoding and this round's best guess.
-    One runs a round while its tokens per second over its rounds (by the clock) beats those three; one that falls
-    behind waits `retry` rounds for its next trial, twice as long after every trial it loses, up to `longest`, and
-    the draft model's other methods wait as long. Candidates that sat a round out stay correct: the suffix trie and
-    the n-gram pools read the context when next asked, Lookahead's guesses are dropped (their positions have
-    passed), and draft trees on one draft model share its cache position."""
+    Draft candidates are tried `trial` rounds at a time, from round 16 on, in rounds where no cheap guess pays, if
+    the best they could do (every guess kept, one draft pass a level) beats the latest rounds without them and plain
+    decoding. One runs a round while its tokens per second over its rounds (by the clock) beats those and any
+    cheap guess that pays; one that falls behind waits `retry` rounds for its next trial, twice as long after every
+    trial it loses, up to `longest`, and the draft model's other methods wait as long. Candidates that sat a round
+    out stay correct: suffix tries and n-gram pools read the context when next asked, Lookahead's guesses are
+    dropped (their positions have passed), and draft trees on one draft model share its cache position."""
 
     def __init__(self, candidates: dict, retry: int = 16, longest: int = 256, weight: float = 0.1, trial: int = 2,
                  margin: float = 1.25):
@@ -48,6 +48,7 @@ class Chooser:
         self.sizers = {name: Sizer(cost=self.cost) for name in self.drafts}  # a draft tree's size, as forced
         self.kept: dict = {}  # (cheap candidate, size) -> average tokens its guesses cut to size had kept
         self.predicted: dict = {}  # (cheap candidate, size) -> and the average sum of their scores
+        self.judged: dict = {}  # (cheap candidate, size) -> how many of its guesses were judged
         self.pending: list = []  # the cheap candidates' Guesses the text has not gone past yet
         self.rates: dict = {}  # draft candidate -> tokens per second over its rounds, once it has run
         self.wait, self.due = dict.fromkeys(self.drafts, retry), dict.fromkeys(self.drafts, 16)  # trials: spacing, next
@@ -113,16 +114,17 @@ class Chooser:
             self.ask_s = ema(self.ask_s, time.perf_counter() - t)
         expect = {(g, s): self.expect(g, s) for g in guesses for s in sizes}
         best = max(expect, key=expect.get, default=None)
-        bar = max(self.recent, self.plain_rate())
-        trial = self.trial_due(max(bar, expect.get(best, 0)))
+        # a margin over plain decoding, as the best of many noisy estimates tends to be one that came out high
+        pays = best is not None and expect[best] > self.margin * self.plain_rate() and self.rounds > 1  # 1: no record
+        bar = max(self.recent, self.plain_rate(), expect[best] if pays else 0.0)
+        trial = None if pays else self.trial_due(bar)  # a draft model is tried where nothing cheap pays
         if trial:
             self.trying, self.left = trial, self.trial
         ahead = max(self.rates, key=self.rates.get, default=None)
-        if self.left > 0 or ahead is not None and self.rates[ahead] > max(bar, expect.get(best, 0)):
+        if self.left > 0 or ahead is not None and self.rates[ahead] > bar:
             self.left = max(0, self.left - 1)
             return self.run_draft(self.trying or ahead, context, budget)
-        # a margin over plain decoding, as the best of many noisy estimates tends to be one that came out high
-        if best is None or expect[best] <= self.margin * self.plain_rate() or self.rounds == 1:  # 1: no record yet
+        if not pays:
             self.method = "plain"
             return Tree([context[-1]])
         self.method = best[0].name
@@ -153,8 +155,10 @@ class Chooser:
                     left.append(size)  # the text has not got past the cut tree yet
                     continue
                 key = (g.name, size)
-                self.kept[key] = self.average(self.kept.get(key), inside - 1)
-                self.predicted[key] = self.average(self.predicted.get(key), g.summed[min(size, len(g.rank)) - 1])
+                self.judged[key] = n = self.judged.get(key, 0) + 1
+                w = max(self.weight, 1 / n)  # the plain mean until there are 1 / weight: the first guess is no prior
+                self.kept[key] = self.average(self.kept.get(key), inside - 1, w)
+                self.predicted[key] = self.average(self.predicted.get(key), g.summed[min(size, len(g.rank)) - 1], w)
             if left:
                 g.sizes = left
                 waiting.append(g)
@@ -215,8 +219,9 @@ class Chooser:
             if isinstance(proposer, DraftTree) and name in self.drafts:
                 proposer.cached = self.drafts[name].cached  # its cache holds what the chosen one's holds
 
-    def average(self, old: Optional[float], new: float) -> float:
-        return new if old is None else (1 - self.weight) * old + self.weight * new
+    def average(self, old: Optional[float], new: float, weight: Optional[float] = None) -> float:
+        weight = self.weight if weight is None else weight
+        return new if old is None else (1 - weight) * old + weight * new
 
 
 @dataclass(eq=False)  # hashable: a key of the round's expectations
@@ -244,12 +249,13 @@ def ema(old: float, new: float) -> float:
 
 
 def auto(draft=None, step: Optional[Callable] = None, ngram: int = 3, **options) -> Chooser:
-    """The candidates that can run: prompt lookup, a suffix trie and lookahead always; with a draft model also its
-    chain, its tree and its staged tree (which shares the suffix trie). options: Chooser's."""
-    trie = Suffix()
-    found = {"lookup": Lookup(ngram), "suffix": trie, "lookahead": Lookahead()}
+    """The candidates that can run: prompt lookup and lookahead always; with a draft model also its chain, its tree
+    and its staged tree (with a suffix trie's guesses). A suffix trie is not a candidate of its own: reading every
+    token into it costs more a round than its guesses win over prompt lookup's (PERFORMANCE.md), though
+    --speculate suffix still forces it. options: Chooser's."""
+    found = {"lookup": Lookup(ngram), "lookahead": Lookahead()}
     if draft is not None:
         kw = {} if step is None else {"step": step}
         found.update(draft=DraftTree(draft, top_k=1, width=1, **kw), tree=DraftTree(draft, **kw),
-                     staged=DraftTree(draft, staged=trie, **kw))
+                     staged=DraftTree(draft, staged=Suffix(), **kw))
     return Chooser(found, **options)

@@ -222,14 +222,14 @@ class Suffix:
         self.seen: list[int] = []
 
     def extend(self, token: int):
-        grown = []
+        kids, count, level, grown = self.kids, self.count, self.level, []  # locals: this runs 32 times a token
         for node in self.open + [0]:
-            child = self.kids[node].get(token)
+            child = kids[node].get(token)
             if child is None:
-                child = self.kids[node][token] = len(self.kids)
-                self.kids.append({}), self.count.append(0), self.level.append(self.level[node] + 1)
-            self.count[child] += 1
-            if self.level[child] < self.depth:
+                child = kids[node][token] = len(kids)
+                kids.append({}), count.append(0), level.append(level[node] + 1)
+            count[child] += 1
+            if level[child] < self.depth:
                 grown.append(child)
         self.open = grown
         self.seen.append(token)
@@ -249,16 +249,23 @@ class Suffix:
         at = next((n for n in self.open + [0] if self.level[n] <= self.match and self.kids[n] and n), None)
         if at is None:
             return tree
-        total = lambda node: sum(self.count[c] for c in self.kids[node].values())  # noqa: E731
-        first = total(at)
-        heap = [(-self.count[c] / first, c, 0, token) for token, c in self.kids[at].items()]
-        heapq.heapify(heap)  # best first: (-score, trie node, tree parent, token); a child scores below its parent
+        count, kids = self.count, self.kids
+        total = lambda node: sum(count[c] for c in kids[node].values())  # noqa: E731
+        # best first: (-score, trie node, tree parent, token), a node's score its parent's times its share of the
+        # occurrences that went on; a node's best `budget` children are all the tree could take. The context's own
+        # occurrence of the match has not gone on yet.
+        heap = [(-count[c] / (count[at] - 1), c, 0, t) for t, c in self.top(at, budget)]
+        heapq.heapify(heap)
         while heap and len(tree.tokens) < budget:
             score, node, parent, token = heapq.heappop(heap)
             i, below = tree.add(parent, token, -score), total(node)
-            for t, c in self.kids[node].items():
-                heapq.heappush(heap, (score * self.count[c] / below, c, i, t))
+            for t, c in self.top(node, budget - len(tree.tokens)):
+                heapq.heappush(heap, (score * count[c] / below, c, i, t))
         return tree
+
+    def top(self, node: int, k: int) -> list:  # node's k most frequent children, (token, trie node)
+        kids = self.kids[node]
+        return list(kids.items()) if len(kids) <= k else heapq.nlargest(k, kids.items(), key=lambda kv: self.count[kv[1]])
 
     def follow(self, path: list[int], k: int) -> list[int]:
         """Up to k tokens, each the most frequent next one, after the text seen so far followed by path (tokens not

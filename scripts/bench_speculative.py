@@ -13,8 +13,9 @@ is not counted, as the command line does not count it (--json keeps the seconds 
 
 How to read the table (one per model; a row per workload): each method's cell is its speedup over plain decoding,
 the median over prompts x rounds of plain's seconds per token over the method's, measured in the same round: above
-1.00 the method is faster. "auto/best" is the default's speedup over that of the best forced method on the workload,
-named in brackets: 1.00 or more means the default chose as well as the best single choice. "same" says whether every
+1.00 the method is faster. "auto/best" compares the default with the best forced method on the workload (named in
+brackets): the geometric mean, over prompts x rounds, of that method's seconds per token over the default's on the
+same prompt in the same round; 1.00 or more means the default chose as well as the best single choice. "same" says whether every
 method's greedy tokens equal plain decoding's on every prompt, and names the methods whose tokens differ. --json
 keeps every run's seconds, tokens and figures, with the machine, the date and the commit."""
 import argparse
@@ -25,6 +26,7 @@ import importlib.util
 import io
 import json
 import keyword
+import math
 import platform
 import random
 import re
@@ -277,8 +279,11 @@ def summary(runs: dict) -> dict:
     forced = {m: v["speedup"] for m, v in out["methods"].items() if m not in ("plain", "auto")}
     if forced:
         out["best_forced"] = max(forced, key=forced.get)
-    if forced and "auto" in out["methods"]:
-        out["auto_over_best"] = out["methods"]["auto"]["speedup"] / forced[out["best_forced"]]
+    if forced and "auto" in out["methods"]:  # paired: the two methods on the same prompt in the same round
+        ratios = [per_token(b) / per_token(a) for ar, br in zip(runs["auto"], runs[out["best_forced"]])
+                  for a, b in zip(ar, br)]
+        out["auto_over_best"] = math.exp(statistics.fmean(map(math.log, ratios)))
+        out["auto_over_best_of_medians"] = out["methods"]["auto"]["speedup"] / forced[out["best_forced"]]
     return out
 
 

@@ -95,3 +95,13 @@ def test_bench_speculative_times_each_method_against_plain_decoding_and_writes_j
         [[run]] = m["runs"]
         assert m["speedup"] > 0 and run["decode_s"] > 0 and len(run["tokens"]) == 8
     assert "| repetitive text |" in result.stdout
+
+
+def test_bench_speculative_compares_the_default_with_the_best_method_on_the_same_prompts():
+    from bench_speculative import summary
+    run = lambda s: {"decode_s": s, "decode_tokens": 1, "seconds": s, "tokens": [1]}  # noqa: E731 (s per token)
+    # round 0, prompts 0 and 1: lookup twice as fast as auto on one prompt, half as fast on the other
+    runs = {"plain": [[run(4.0), run(4.0)]], "lookup": [[run(1.0), run(2.0)]], "auto": [[run(2.0), run(1.0)]],
+            "suffix": [[run(3.0), run(3.0)]]}
+    out = summary(runs)
+    assert out["best_forced"] == "lookup" and out["auto_over_best"] == pytest.approx(1.0)
