@@ -226,8 +226,8 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
               guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None,
               chooser: Optional[choose.Chooser] = None, **sampling) -> Callable:
     """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0) -> Generation.
-    speculate: "auto" (the default: each round the guess expected to pay best, among prompt lookup, suffix,
-    lookahead and, with a draft model, its chain, tree and staged tree, or plain decoding when none pays; see
+    speculate: "auto" (the default: each round the guess expected to pay best, among prompt lookup, lookahead
+    and, with a draft model, its chain, tree and staged tree, or plain decoding when none pays; see
     choose.Chooser), None or "plain" (plain decoding, any batch), or one batch-1 proposer: "draft" (a chain from
     the draft model, its length chosen each round if adaptive), "tree" and "staged" (token trees from the draft
     model), "lookup" (prompt lookup over ngram tokens), "suffix" or "lookahead" (token trees without a draft
