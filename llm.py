@@ -28,7 +28,8 @@ class Completion:
     text: str  # the new text only, cut before a stop string
     tokens: list[int]  # the new tokens, without the end-of-sequence one
     metrics: dict  # the figures generate.py --metrics_json writes: ttft_ms, decode_tokens_per_sec, ...
-    finish_reason: str  # "stop" (EOS, a stop string, a complete grammar), "length" or "incomplete" (see below)
+    finish_reason: str  # "stop" (EOS, a stop string, a complete grammar), "length", "incomplete" (see below) or
+    error: Optional[str] = None  # "error": this prompt could not run (a list's other prompts still do)
 
 
 DRAFTED = ("auto", "draft", "tree", "staged")  # the methods that use a draft model
@@ -65,25 +66,80 @@ class LLM:
         self.steps = gen.build_steps(compile)
         self.weight_bytes = gen.weight_bytes(self.model)
         self.choosers = {}  # (ngram, max_nodes) -> speculate="auto"'s chooser, its measurements kept between calls
+        self.engine = None  # generate_many's, made at its first call (engine.Engine: its KV pool stays allocated)
 
-    def generate(self, prompt: Union[str, list[str]], **options) -> Union[Completion, list[Completion]]:
-        """The continuation of prompt (a str: one Completion), or of each prompt of a list (a batch: a list of
-        Completions). Keywords: max_new_tokens=200, temperature=0.8 (0: greedy), top_k=200, top_p=1.0, seed,
+    def generate(self, prompt: Union[str, list], **options) -> Union[Completion, list[Completion]]:
+        """The continuation of prompt (a str: one Completion), or of each prompt of a list (many: a list of
+        Completions, see generate_many). Keywords: max_new_tokens=200, temperature=0.8 (0: greedy), top_k=200, top_p=1.0, seed,
         stop (a list of strings), ignore_eos; speculate ("auto", the default: each round the guess expected to pay
         best among those below, or plain decoding when none pays, and always for a batch or with a grammar; None
         or "plain"; or one forced: "draft", "tree", "staged", "lookup", "suffix", "lookahead"), speculate_k=4,
         ngram=3, max_nodes=32, fixed_k; json, json_schema (a dict or JSON text), regex, grammar (Lark text); chat
         (the prompt as a user turn in the chat template), system; callback(text), called with the first row's new
         text after every step."""
-        prompts = [prompt] if isinstance(prompt, str) else prompt
-        require(isinstance(prompts, list) and prompts and all(isinstance(p, str) and p for p in prompts),
-                "prompt must be a non-empty string or a non-empty list of them")
+        if not isinstance(prompt, str):
+            return self.generate_many(prompt, **options)
+        require(bool(prompt), "prompt must be a non-empty string or a list of prompts")
         chat, system = options.pop("chat", False), options.pop("system", None)
         require(system is None or chat, "system needs chat=True")
         if chat:
             self.check_template()
-        out = self.complete([cli.encode_prompt(self.tokenizer, p, chat, system) for p in prompts], **options)
-        return out[0] if isinstance(prompt, str) else out
+        return self.complete([cli.encode_prompt(self.tokenizer, prompt, chat, system)], **options)[0]
+
+    def generate_many(self, prompts: list, *, progress: bool = True, **options) -> list[Completion]:
+        """Every prompt's continuation, all through the engine (engine.py: continuous batching over a paged KV
+        cache, a shared prefix prefilled once), with a progress bar unless progress=False. A prompt is a str, or
+        a dict {"prompt": str, ...} whose other keys override the call's for that prompt (its own json_schema,
+        say). Keywords as generate's, less speculation and the callback: one speculates alone. A prompt that
+        cannot run (too long, a bad schema) gets finish_reason "error" and its error; the others run."""
+        from tqdm import tqdm
+        require(isinstance(prompts, list) and prompts and all(
+            isinstance(p, str) or isinstance(p, dict) and isinstance(p.get("prompt"), str) for p in prompts),
+            "prompt must be a non-empty string or a non-empty list of strings or {'prompt': str, ...} dicts")
+        require(options.pop("speculate", "auto") in ("auto", "plain", None) and options.pop("callback", None) is None,
+                "many prompts run through the engine, which neither speculates nor calls back: give one prompt")
+        requests, done = [self.request(p, options) for p in prompts], []
+        if self.engine is None:
+            from engine import Engine
+            self.engine = Engine(self.model, self.tokenizer)
+        with tqdm(total=len(requests), disable=not progress, desc="requests") as bar:
+            for r in requests:
+                if r.error is None:
+                    try:
+                        self.engine.add(r)
+                    except ValueError as e:
+                        r.finish_reason, r.error = "error", str(e)
+            while self.engine.has_work():
+                bar.update(sum(r.finished for r in self.engine.step()))
+        for r in requests:
+            text = cli.new_text(self.tokenizer, r.prompt, r.out, r.stop) if r.prompt else ""
+            done.append(Completion(text, r.out, request_metrics(r), r.finish_reason, r.error))
+        return done
+
+    def request(self, prompt, shared: dict):
+        """An engine Request for one prompt of generate_many, or one whose error says why it cannot run."""
+        from engine import Request
+        given = {**shared, **(prompt if isinstance(prompt, dict) else {"prompt": prompt})}
+        text, chat, system = given.pop("prompt"), given.pop("chat", False), given.pop("system", None)
+        require(system is None or chat, "system needs chat=True")
+        options = dict(max_new_tokens=200, temperature=0.8, top_k=200, top_p=1.0, seed=None, stop=None,
+                       ignore_eos=False)
+        unknown = set(given) - set(options) - {"json", "json_schema", "regex", "grammar"}
+        require(not unknown, f"unknown keywords for a prompt of many: {', '.join(sorted(unknown))}")
+        options.update((k, given.pop(k)) for k in list(given) if k in options)
+        check_sampling(**options)
+        r = Request([], options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"],
+                    options["seed"], options["stop"], () if options["ignore_eos"] else tuple(self.tokenizer.eos_ids))
+        try:
+            if chat:
+                self.check_template()
+            grammars = guided.grammars(**given)
+            require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
+            r.grammar = grammars[0] if grammars else None
+            r.prompt = cli.encode_prompt(self.tokenizer, text, chat, system) if text else []
+        except ValueError as e:
+            r.finish_reason, r.error = "error", str(e)
+        return r
 
     def chat(self, messages: list[dict], **options) -> Completion:
         """The assistant's reply to messages ([{"role": "user", "content": "..."}, ...]) through the model's chat
@@ -106,16 +162,9 @@ class LLM:
                  json: bool = False, json_schema=None, regex: Optional[str] = None, grammar: Optional[str] = None,
                  callback: Optional[Callable[[str], None]] = None) -> list[Completion]:
         """generate's work on token-id prompts."""
-        for name, value, lo in (("max_new_tokens", max_new_tokens, 1), ("speculate_k", speculate_k, 1),
-                                ("ngram", ngram, 1), ("max_nodes", max_nodes, 1), ("top_k", top_k or 1, 1)):
+        for name, value, lo in (("speculate_k", speculate_k, 1), ("ngram", ngram, 1), ("max_nodes", max_nodes, 1)):
             require(whole(value) and value >= lo, f"{name} must be a whole number of at least {lo}, got {value!r}")
-        require(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0,
-                f"temperature must be a finite number >= 0, got {temperature!r}")
-        require(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
-        require(seed is None or whole(seed) and 0 <= seed < 2**64, f"seed must be a whole number in [0, 2**64), "
-                f"got {seed!r}")
-        require(stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
-                "stop must be a list of non-empty strings")
+        check_sampling(max_new_tokens, temperature, top_k, top_p, seed, stop)
         choose("speculate", speculate, (None, "plain") + speculative.SPECULATE)
         grammars = guided.grammars(json=json, json_schema=json_schema, regex=regex, grammar=grammar)
         require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
@@ -144,6 +193,29 @@ class LLM:
         return [Completion(cli.new_text(self.tokenizer, p, r, stop), r, metrics,
                            cli.finish_reason(result, row, max_new_tokens))
                 for row, (p, r) in enumerate(zip(prompts, result.rows))]
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos=False):
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k or 1)):
+        require(whole(value) and value >= 1, f"{name} must be a whole number of at least 1, got {value!r}")
+    require(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0,
+            f"temperature must be a finite number >= 0, got {temperature!r}")
+    require(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    require(seed is None or whole(seed) and 0 <= seed < 2**64, f"seed must be a whole number in [0, 2**64), "
+            f"got {seed!r}")
+    require(stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+            "stop must be a list of non-empty strings")
+
+
+def request_metrics(r) -> dict:
+    """One request's figures from the engine: its prompt, the part the prefix cache served, its time to first token
+    (queueing included) and its own decoding rate."""
+    t = r.times
+    first, end = t.get("first"), t.get("finished")
+    rate = (len(r.out) - 1) / (end - first) if first and end and end > first and len(r.out) > 1 else 0.0
+    return {"prompt_tokens": len(r.prompt), "cached_tokens": r.cached_tokens, "completion_tokens": len(r.out),
+            "ttft_ms": 1e3 * (first - t["arrived"]) if first and "arrived" in t else None,
+            "decode_tokens_per_sec": rate, "total_s": end - t["arrived"] if end and "arrived" in t else None}
 
 
 def whole(value) -> bool:

@@ -255,7 +255,8 @@ class Transformer(nn.Module):
         kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
         cache slots (see kv_bucket). The default is the whole cache. For tokens that are not one sequence (the
         branches of a tree): mask [S, kv_len] or [B, S, kv_len] bool, the cache slots each token sees, replaces
-        the causal mask, and pos [S] the RoPE positions (the tokens are still written at input_pos).
+        the causal mask, and pos [S] or [B, S] the RoPE positions (the tokens are still written at input_pos, which
+        a paged cache takes per row, [B, S]).
         Without input_pos, run causal (and sliding-window) attention over idx and touch no cache (training,
         perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others)."""
         if input_pos is None:
@@ -268,7 +269,7 @@ class Transformer(nn.Module):
         else:
             if self.freqs_cis is None:
                 raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
-            pos = (input_pos if pos is None else pos)[None]
+            pos = torch.atleast_2d(input_pos if pos is None else pos)  # [B|1, S]
             pos = pos if left_pad is None else (pos - left_pad[:, None]).clamp(min=0)
             freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
             mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length) if mask is None \

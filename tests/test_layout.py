@@ -49,3 +49,9 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
     assert {"generate", "trees"} <= GRAPH["speculative"] and not GRAPH["speculative"] & {"tp", "eval"}
     assert {"speculative", "generate", "checkpoint"} <= GRAPH["tp"]
     assert {"speculative", "generate", "guided"} <= GRAPH["llm"] and not GRAPH["llm"] & {"tp", "chat", "eval"}
+
+
+def test_the_paged_cache_needs_only_torch_and_the_engine_sits_beside_the_decoding_loops():
+    assert GRAPH["paged"] == set()
+    assert GRAPH["engine"] <= {"paged", "generate", "guided", "cli"} and "engine" in GRAPH["llm"]
+    assert not GRAPH["engine"] & {"speculative", "trees", "llm", "tp", "chat"}

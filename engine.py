@@ -1,0 +1,288 @@
+"""Many requests at once: iteration-level scheduling (Orca, Yu et al. 2022) over the paged KV cache of paged.py.
+
+Every step, finished requests leave and waiting ones join. The rows that are decoding advance one token each in one
+forward pass (every weight read once for all of them); prompts are prefilled in chunks within a token budget per
+step, so one long prompt never holds the others up for its whole prefill. When the pool runs out of blocks, the
+newest running request gives its blocks back and waits to be recomputed (preemption); a prompt whose leading blocks
+some earlier request already filled starts from there (prefix sharing). Each request keeps its own sampling
+options, stop strings, end-of-sequence ids and grammar."""
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from generate import logits_to_probs
+from paged import BlockPool, PagedCache, block_hash
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt and how to continue it; the engine fills in the rest. grammar: llguidance's text (from
+    guided.grammars); stop: strings that end the output (the text is cut before them)."""
+    prompt: list[int]
+    max_new_tokens: int = 200
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    eos_ids: tuple = ()
+    grammar: Optional[str] = None
+    out: list[int] = field(default_factory=list)  # the new tokens, without an end-of-sequence one
+    finish_reason: Optional[str] = None  # "stop", "length", "cancelled" or "error"; None while it runs
+    error: Optional[str] = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the first admission's)
+    blocks: list = field(default_factory=list)  # its block table
+    hashes: list = field(default_factory=list)  # the content hash of each of its full blocks
+    computed: int = 0  # tokens whose K and V are in its blocks
+    times: dict = field(default_factory=dict)  # "arrived", "first" (token), "finished": time.perf_counter()
+    matcher: object = None
+    generator: Optional[torch.Generator] = None
+    keep: Optional[Callable] = None  # stop strings: row -> the tokens to keep
+
+    @property
+    def tokens(self) -> list[int]:  # what its KV must hold before it samples the next token
+        return self.prompt + self.out
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """The scheduler and its forward passes. model: a Transformer whose setup_caches was called (its RoPE table
+    bounds the context); tokenizer: for stop strings and grammars. blocks x block_size: the pool (default: room
+    for max_rows sequences of half the context); max_rows: rows per step; budget: tokens per step."""
+
+    def __init__(self, model, tokenizer=None, *, blocks: Optional[int] = None, block_size: int = 16,
+                 max_rows: int = 64, budget: int = 512, kv_dtype: Optional[torch.dtype] = None):
+        if max_rows < 1 or budget < max_rows:
+            raise ValueError(f"max_rows must be at least 1 and budget at least max_rows, got {max_rows}, {budget}")
+        self.model, self.tokenizer, self.max_rows, self.budget = model, tokenizer, max_rows, budget
+        self.context = model.max_seq_length
+        if not self.context:
+            raise ValueError("the engine needs the model's RoPE table: call model.setup_caches first")
+        blocks = blocks or max_rows * -(-self.context // block_size) // 2
+        self.pool = BlockPool(blocks, block_size)
+        self.cache = PagedCache(model, self.pool, kv_dtype)
+        self.waiting: deque = deque()
+        self.running: list[Request] = []
+        self.grammar_tokenizer = None
+        self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, generated=0, preempted=0, peak_blocks=0)
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+
+    def add(self, r: Request) -> Request:
+        """Queue r; a request that can never run raises ValueError and leaves the engine as it was."""
+        if not r.prompt:
+            raise ValueError("a prompt is empty")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {r.max_new_tokens}")
+        if len(r.prompt) + r.max_new_tokens > self.context:
+            raise ValueError(f"prompt ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds the "
+                             f"context of {self.context} tokens")
+        if -(-(len(r.prompt) + r.max_new_tokens) // self.pool.block_size) > self.pool.n_blocks:
+            raise ValueError(f"the request needs more KV blocks than the pool holds ({self.pool.n_blocks})")
+        if r.grammar is not None:
+            r.matcher = self.matcher(r.grammar)
+        if r.seed is not None:
+            r.generator = torch.Generator(self.model.norm.weight.device).manual_seed(r.seed)
+        if r.stop:
+            from cli import stop_strings
+            r.keep = stop_strings(self.tokenizer, r.stop)
+        r.times["arrived"] = time.perf_counter()
+        self.waiting.append(r)
+        return r
+
+    def matcher(self, grammar: str):
+        import guided
+        llg = guided._llguidance()
+        if self.grammar_tokenizer is None:
+            self.grammar_tokenizer = guided.llg_tokenizer(self.tokenizer, self.model.args.vocab_size)
+        m = llg.LLMatcher(self.grammar_tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"the grammar cannot be used with this tokenizer: {m.get_error().splitlines()[0]}")
+        return m
+
+    def cancel(self, r: Request):
+        """Stop r now, wherever it is; its blocks go back to the pool at once."""
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.finish(r, "cancelled")
+
+    def finish(self, r: Request, reason: str, error: Optional[str] = None):
+        if r.finished:
+            return
+        r.finish_reason, r.error, r.times["finished"] = reason, error, time.perf_counter()
+        if r in self.running:
+            self.running.remove(r)
+        self.pool.release(r.blocks)
+        r.blocks, r.hashes, r.computed = [], [], 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ------------------------------------------------------------------------------------------------
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's work: (request, tokens to compute). Decoding rows first, one token each, with a block for it
+        (preempting the newest request while the pool is empty); then prefill chunks of the running requests and of
+        newly admitted ones, oldest first, while budget and rows last."""
+        for r in [r for r in self.running if self.decoding(r)]:
+            while r in self.running and r.computed == len(r.blocks) * self.pool.block_size:
+                if self.pool.available():
+                    r.blocks.append(self.pool.take())
+                else:
+                    self.preempt(self.running[-1])
+        work = [(r, 1) for r in self.running if self.decoding(r)]
+        left = self.budget - len(work)
+        for r in self.running:
+            if left > 0 and not self.decoding(r):
+                n = min(len(r.tokens) - r.computed, left)
+                work.append((r, n))
+                left -= n
+        while self.waiting and left > 0 and len(self.running) < self.max_rows and self.admit(self.waiting[0]):
+            r = self.waiting.popleft()
+            self.running.append(r)
+            n = min(len(r.tokens) - r.computed, left)
+            work.append((r, n))
+            left -= n
+        return work
+
+    def decoding(self, r: Request) -> bool:  # its next token's input is its last one
+        return r.computed == len(r.tokens) - 1
+
+    def admit(self, r: Request) -> bool:
+        """Blocks for all of r's tokens: those its prefix shares with earlier requests, found by content, and new
+        ones for the rest, if the pool has them (keeping one spare per running row, for its next token)."""
+        size, tokens = self.pool.block_size, r.tokens
+        full = (len(tokens) - 1) // size  # the last token is always computed: its logits give the next one
+        hashes, parent = [], 0
+        for i in range(full):
+            parent = block_hash(parent, tuple(tokens[i * size : (i + 1) * size]))
+            hashes.append(parent)
+        hits = 0
+        while hits < full and self.pool.by_hash.get(hashes[hits]) is not None:
+            hits += 1
+        need = -(-len(tokens) // size) - hits
+        cached = sum(1 for i in range(hits) if self.pool.refs[self.pool.by_hash[hashes[i]]] == 0)
+        if self.pool.available() - cached < need + len(self.running):
+            return False
+        blocks = []
+        for i in range(hits):
+            block = self.pool.find(hashes[i], hashes[i - 1] if i else 0, tuple(tokens[i * size : (i + 1) * size]))
+            if block is None:  # a hash that collided: compute from here
+                break
+            blocks.append(block)
+        r.blocks, r.hashes, r.computed = blocks, hashes[: len(blocks)], len(blocks) * size
+        r.blocks += [self.pool.take() for _ in range(-(-len(tokens) // size) - len(blocks))]
+        if not r.out:  # the first admission's figures (a preempted request finds its own blocks)
+            r.cached_tokens = r.computed
+            self.stats["prompt_tokens"] += len(r.prompt)
+            self.stats["cached_tokens"] += r.computed
+        return True
+
+    def preempt(self, r: Request):
+        """Give r's blocks back and queue it first, to be recomputed: its tokens so far stay, so the recompute
+        continues where it was (and finds its full blocks again while nothing has reused them)."""
+        self.running.remove(r)
+        self.pool.release(r.blocks)
+        r.blocks, r.hashes, r.computed = [], [], 0
+        self.waiting.appendleft(r)
+        self.stats["preempted"] += 1
+
+    # ---- a step ----------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Schedule, run the forward passes, sample: the requests that got a token or finished this step."""
+        work = self.schedule()
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], self.pool.in_use())
+        if not work:
+            return []
+        self.stats["steps"] += 1
+        decode = [r for r, n in work if n == 1 and self.decoding(r)]
+        chunks = [(r, n) for r, n in work if not (n == 1 and self.decoding(r))]
+        logits = {}
+        if decode:
+            out = self.forward(decode, [r.tokens[-1:] for r in decode], last=False)  # [B, 1, V]
+            logits.update((r, out[i, -1]) for i, r in enumerate(decode))
+        for r, n in chunks:
+            out = self.forward([r], [r.tokens[r.computed : r.computed + n]], last=True)  # [1, 1, V]
+            logits[r] = out[0, -1]
+        for r, n in work:
+            r.computed += n
+            self.register(r)
+        done = []
+        for r, row in logits.items():
+            if r.computed == len(r.tokens):  # its whole text is in the cache: its next token is due
+                self.emit(r, row)
+                done.append(r)
+        return done
+
+    def forward(self, rows: list[Request], chunks: list[list[int]], last: bool):
+        """One forward pass over rows that each add their chunk (equal lengths) after their computed tokens."""
+        size, device = self.pool.block_size, self.model.norm.weight.device
+        S, width = len(chunks[0]), max(len(r.blocks) for r in rows)
+        pos = torch.tensor([[r.computed + j for j in range(S)] for r in rows], device=device)  # [B, S]
+        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows], device=device)  # [B, W]
+        slots = table.gather(1, pos // size) * size + pos % size  # [B, S]
+        mask = torch.arange(width * size, device=device) <= pos[..., None]  # [B, S, W * size]: its own past
+        idx = torch.tensor(chunks, device=device)
+        return self.cache.forward(idx, slots, pos, table, mask, last)
+
+    def register(self, r: Request):  # its blocks filled this step, now shareable by content
+        size, tokens = self.pool.block_size, r.tokens
+        while len(r.hashes) < r.computed // size:
+            i = len(r.hashes)
+            parent = r.hashes[-1] if r.hashes else 0
+            content = tuple(tokens[i * size : (i + 1) * size])
+            r.hashes.append(block_hash(parent, content))
+            self.pool.register(r.blocks[i], r.hashes[-1], parent, content)
+
+    def emit(self, r: Request, logits):  # logits [V]
+        """Sample r's next token and decide whether r is done."""
+        if not bool(torch.isfinite(logits).all()):
+            return self.finish(r, "error", "the model's logits became NaN or infinite: the weights or the dtype "
+                                           "overflow; try the float32 dtype")
+        if r.matcher is not None:
+            import guided
+            bits = torch.full((1, (logits.size(-1) + 31) // 32), -1, dtype=torch.int32)
+            r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
+            logits = logits.masked_fill(~guided.allowed_tokens(bits.to(logits.device), logits.size(-1))[0],
+                                        -float("inf"))
+        token = self.sample(r, logits)
+        r.times.setdefault("first", time.perf_counter())
+        if r.matcher is not None and not r.matcher.consume_token(token):
+            return self.finish(r, "error", f"the grammar rejected token {token}: {r.matcher.get_error()}")
+        if token in r.eos_ids:
+            return self.finish(r, "stop")
+        r.out.append(token)
+        self.stats["generated"] += 1
+        if r.keep is not None and r.keep(r.out) < len(r.out):
+            del r.out[r.keep(r.out):]
+            return self.finish(r, "stop")
+        if r.matcher is not None and r.matcher.is_stopped():
+            return self.finish(r, "stop")
+        if len(r.out) >= r.max_new_tokens:
+            self.finish(r, "length")
+
+    def sample(self, r: Request, logits) -> int:  # logits [V]
+        if r.temperature == 0:
+            return int(logits.argmax())
+        probs = logits_to_probs(logits[None], r.temperature, r.top_k, r.top_p)  # [1, V]
+        # argmax(p / Exp(1)) is a draw from p; each request's own generator makes its draws its own
+        q = torch.empty_like(probs).exponential_(1, generator=r.generator).clamp_(min=torch.finfo(probs.dtype).tiny)
+        return int((probs / q).argmax())
+
+    def run(self, requests: list[Request], progress: Optional[Callable] = None) -> list[Request]:
+        """Add every request and step until all are done; progress(request) as each finishes."""
+        for r in requests:
+            self.add(r)
+        while self.has_work():
+            for r in self.step():
+                if r.finished and progress is not None:
+                    progress(r)
+        return requests

@@ -1,0 +1,123 @@
+"""The paged KV cache: one pool of fixed-size blocks shared by every sequence, each sequence a table of block ids,
+so that memory follows the tokens held rather than batch x max_seq_length (PagedAttention, Kwon et al. 2023).
+
+A full block is known by its content: a hash of its tokens and of the hash of the block before it, so the same
+prefix (a system prompt, a few-shot header) maps to the same blocks in every request that starts with it, and is
+prefilled once. Blocks count their users; an unused block keeps its content, ready to be shared again, until the
+pool needs the room (least recently released first)."""
+from collections import OrderedDict, deque
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+class BlockPool:
+    """Block bookkeeping, no tensors: reference counts, content hashes and the free and cached lists."""
+
+    def __init__(self, n_blocks: int, block_size: int):
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError(f"the pool needs at least one block of at least one token, got {n_blocks} x {block_size}")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.refs = [0] * n_blocks
+        self.keys: list[Optional[tuple]] = [None] * n_blocks  # a full block's (hash, parent hash, tokens)
+        self.by_hash: dict[int, int] = {}  # content hash -> the block holding it
+        self.free = deque(range(n_blocks))  # blocks without content
+        self.cached: OrderedDict = OrderedDict()  # unused blocks that keep their content, least recently released first
+
+    def available(self) -> int:
+        return len(self.free) + len(self.cached)
+
+    def in_use(self) -> int:
+        return self.n_blocks - self.available()
+
+    def take(self) -> int:
+        """A block for new content: a free one, else the least recently released cached one (its content goes)."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.cached:
+            block, _ = self.cached.popitem(last=False)
+            del self.by_hash[self.keys[block][0]]
+            self.keys[block] = None
+        else:
+            raise RuntimeError("the KV pool is out of blocks")  # the scheduler checks available() first
+        self.refs[block] = 1
+        return block
+
+    def find(self, h: int, parent: int, tokens: tuple) -> Optional[int]:
+        """The block holding these tokens after that prefix, now one more user's, or None."""
+        block = self.by_hash.get(h)
+        if block is None or self.keys[block][1:] != (parent, tokens):  # a hash collision is a miss, not a mix-up
+            return None
+        if self.refs[block] == 0:
+            del self.cached[block]
+        self.refs[block] += 1
+        return block
+
+    def register(self, block: int, h: int, parent: int, tokens: tuple):
+        """Block is full with tokens: others may share it from now on (unless a block with them exists already)."""
+        if h not in self.by_hash and self.keys[block] is None:
+            self.by_hash[h], self.keys[block] = block, (h, parent, tokens)
+
+    def release(self, blocks: list[int]):
+        """One user fewer for each block; the last blocks of a sequence go first, so its head stays cached longest."""
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                if self.keys[block] is None:
+                    self.free.append(block)
+                else:
+                    self.cached[block] = None
+
+
+def block_hash(parent: int, tokens: tuple) -> int:
+    return hash((parent, tokens))
+
+
+class PagedCache:
+    """The pool's tensors, k and v [n_blocks, n_kv_head, block_size, head_dim] for every layer, and the per-layer
+    views (PagedLayer) that stand in for a model's static KVCache during one forward pass."""
+
+    def __init__(self, model, pool: BlockPool, dtype: Optional[torch.dtype] = None):
+        a, w = model.args, model.norm.weight
+        shape = (pool.n_blocks, a.n_kv_head, pool.block_size, a.head_dim)
+        with torch.inference_mode(False):  # written in place by every later step
+            self.k = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
+            self.v = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
+        self.pool, self.model = pool, model
+        self.layers = [PagedLayer(k, v) for k, v in zip(self.k, self.v)]
+
+    def bytes_per_block(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+
+    def forward(self, idx: Tensor, slots: Tensor, pos: Tensor, table: Tensor, mask: Tensor, last: bool) -> Tensor:
+        """model's forward for rows that each continue their own sequence: idx, slots (where each token's K and V
+        go: block * block_size + offset) and pos (its RoPE position) [B, S]; table [B, blocks] the blocks each row
+        reads, in order; mask [B, S, blocks * block_size] the slots of those each token sees. -> logits [B, S|1, V]"""
+        layers = [layer.attention for layer in self.model.layers]
+        kept = [a.kv_cache for a in layers]
+        try:
+            for a, view in zip(layers, self.layers):
+                a.kv_cache, view.table = view, table
+            return self.model(idx, slots, mask=mask, pos=pos, last=last)
+        finally:
+            for a, cache in zip(layers, kept):
+                a.kv_cache = cache
+
+
+class PagedLayer(torch.nn.Module):
+    """One layer's pool, as model.Attention sees a KVCache: update writes the new tokens' K and V at their slots
+    and returns the rows' blocks (table [B, blocks]) laid end to end, [B, n_kv_head, blocks * block_size, head_dim]."""
+
+    def __init__(self, k: Tensor, v: Tensor):
+        super().__init__()
+        self.k, self.v, self.table = k, v, None
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # slots [B, S], k/v [B, Hkv, S, D]
+        size = self.k.size(2)
+        block, offset = (slots // size).flatten(), (slots % size).flatten()
+        for pool, new in ((self.k, k), (self.v, v)):
+            pool[block, :, offset] = new.transpose(1, 2).flatten(0, 1).to(pool.dtype)  # [B * S, Hkv, D]
+        B, n = self.table.shape
+        return tuple(pool[self.table].transpose(1, 2).reshape(B, pool.size(1), n * size, pool.size(3))
+                     for pool in (self.k, self.v))

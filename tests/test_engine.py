@@ -1,0 +1,133 @@
+"""The engine: many requests through one paged KV cache give each request what it would get alone."""
+import random
+
+import pytest
+import torch
+
+from engine import Engine, Request
+from generate import generate
+from model import ModelArgs, Transformer
+
+
+def tiny(seed=0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    args = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, dim=32, intermediate_size=64, block_size=1024)
+    model = Transformer(ModelArgs(**{**args, **overrides})).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.setup_caches(1, args["block_size"])
+    return model
+
+
+def alone(model, prompt, n) -> list[int]:
+    return generate(model, [prompt], n, temperature=0).rows[0]
+
+
+def prompts(seed: int, count: int, lo: int = 1, hi: int = 80) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(64) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def pool_is_whole(engine: Engine) -> bool:
+    return engine.pool.available() == engine.pool.n_blocks and not engine.running and not engine.waiting
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    ps = prompts(1, 12)
+    return ps, [alone(model, p, 24) for p in ps]
+
+
+def test_greedy_requests_in_one_batch_match_each_run_alone(model, expected):
+    ps, want = expected
+    engine = Engine(model, blocks=200, block_size=8)
+    done = engine.run([Request(p, max_new_tokens=24) for p in ps])
+    assert [r.out for r in done] == want
+    assert all(r.finish_reason == "length" for r in done) and pool_is_whole(engine)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_requests_arriving_while_others_decode_get_the_same_tokens(model, expected, seed):
+    ps, want = expected
+    rng, engine = random.Random(seed), Engine(model, blocks=200, block_size=8, max_rows=5, budget=16)
+    order, live = list(range(len(ps))), {}
+    rng.shuffle(order)
+    while order or engine.has_work():
+        for _ in range(rng.randint(0, 3)):  # some join at each step, in a random order
+            if order:
+                i = order.pop()
+                live[i] = engine.add(Request(ps[i], max_new_tokens=24))
+        engine.step()
+    assert [live[i].out for i in range(len(ps))] == want and pool_is_whole(engine)
+
+
+def test_long_prompts_prefill_in_chunks_within_the_step_budget(model):
+    ps = prompts(2, 4, 90, 120)
+    engine = Engine(model, blocks=100, block_size=8, max_rows=4, budget=8)
+    done = engine.run([Request(p, max_new_tokens=10) for p in ps])
+    assert [r.out for r in done] == [alone(model, p, 10) for p in ps]
+    assert engine.stats["steps"] >= sum(map(len, ps)) // 8
+
+
+def test_a_full_pool_preempts_the_newest_request_and_recomputes_it(model, expected):
+    ps, want = expected
+    engine = Engine(model, blocks=24, block_size=8, max_rows=8)  # far less than 12 requests need at once
+    done = engine.run([Request(p, max_new_tokens=24) for p in ps])
+    assert engine.stats["preempted"] > 0
+    assert [r.out for r in done] == want and pool_is_whole(engine)
+
+
+def test_a_shared_system_prompt_is_prefilled_once(model):
+    system = prompts(3, 1, 500, 500)[0]
+    questions = prompts(4, 32, 5, 20)
+    engine = Engine(model, blocks=400, block_size=16, max_rows=8)
+    done = engine.run([Request(system + q, max_new_tokens=4) for q in questions])
+    assert engine.stats["cached_tokens"] >= 0.95 * 31 * 496  # every request after the first: its whole blocks
+    assert all(r.cached_tokens == 496 for r in done[8:])
+    for r, q in list(zip(done, questions))[:3]:
+        assert r.out == alone(model, system + q, 4)
+    assert pool_is_whole(engine)
+
+
+def test_a_cancelled_request_gives_its_blocks_back_at_once(model):
+    engine = Engine(model, blocks=50, block_size=8)
+    a, b = engine.add(Request(prompts(5, 1, 60, 60)[0], max_new_tokens=30)), engine.add(Request([1, 2, 3]))
+    engine.step()
+    used = engine.pool.in_use()
+    engine.cancel(a)
+    assert a.finish_reason == "cancelled" and engine.pool.in_use() == used - 8  # its 60 tokens' 8 blocks
+    engine.cancel(b)
+    assert pool_is_whole(engine)
+
+
+def test_bad_requests_are_refused_and_leave_the_engine_as_it_was(model):
+    engine = Engine(model, blocks=20, block_size=8)
+    for bad, what in ((Request([]), "empty"), (Request([1], max_new_tokens=0), "max_new_tokens"),
+                      (Request([1] * 1000, max_new_tokens=100), "context"),
+                      (Request([1] * 100, max_new_tokens=100), "pool")):
+        with pytest.raises(ValueError, match=what):
+            engine.add(bad)
+    assert not engine.has_work() and pool_is_whole(engine)
+
+
+def test_sampled_requests_with_a_seed_are_reproducible_whatever_shares_their_batch(model):
+    def sampled(others: int) -> list[int]:
+        engine = Engine(model, blocks=100, block_size=8)
+        rs = [Request([5, 6, 7], max_new_tokens=20, temperature=1.0, seed=42)]
+        rs += [Request(p, max_new_tokens=20, temperature=0.8, top_k=10) for p in prompts(6, others)]
+        return engine.run(rs)[0].out
+    assert sampled(0) == sampled(5) and len(set(sampled(0))) > 1
+
+
+def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expected):
+    ps, want = expected
+    eos = want[0][5]
+    engine = Engine(model, blocks=200, block_size=8)
+    done = engine.run([Request(ps[0], max_new_tokens=24, eos_ids=(eos,)), Request(ps[1], max_new_tokens=3)])
+    assert done[0].out == want[0][: want[0].index(eos)] and done[0].finish_reason == "stop"
+    assert done[1].out == want[1][:3] and done[1].finish_reason == "length"
