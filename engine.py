@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from generate import logits_to_probs
+from model import kv_bucket
 from paged import BlockPool, PagedCache, block_hash
 
 
@@ -70,7 +71,8 @@ class Engine:
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None
-        self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, generated=0, preempted=0, peak_blocks=0)
+        self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefilled=0, generated=0, preempted=0,
+                          peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in chunks
 
     # ---- requests ------------------------------------------------------------------------------------------------
 
@@ -205,13 +207,18 @@ class Engine:
         self.stats["steps"] += 1
         decode = [r for r, n in work if n == 1 and self.decoding(r)]
         chunks = [(r, n) for r, n in work if not (n == 1 and self.decoding(r))]
-        logits = {}
+        logits, t0 = {}, time.perf_counter()
         if decode:
             out = self.forward(decode, [r.tokens[-1:] for r in decode], last=False)  # [B, 1, V]
             logits.update((r, out[i, -1]) for i, r in enumerate(decode))
+        t1 = time.perf_counter()
         for r, n in chunks:
             out = self.forward([r], [r.tokens[r.computed : r.computed + n]], last=True)  # [1, 1, V]
             logits[r] = out[0, -1]
+        t2 = time.perf_counter()  # (the forward passes queue work on a GPU: there the split is rough)
+        self.stats["decode_s"] += t1 - t0
+        self.stats["prefill_s"] += t2 - t1
+        self.stats["prefilled"] += sum(n for _, n in chunks)
         for r, n in work:
             r.computed += n
             self.register(r)
@@ -229,7 +236,9 @@ class Engine:
         pos = torch.tensor([[r.computed + j for j in range(S)] for r in rows], device=device)  # [B, S]
         table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows], device=device)  # [B, W]
         slots = table.gather(1, pos // size) * size + pos % size  # [B, S]
-        mask = torch.arange(width * size, device=device) <= pos[..., None]  # [B, S, W * size]: its own past
+        # [B, S, L]: its own past; as many slots as a lone sequence's step reads (kv_bucket), for the same rounding
+        L = max(width * size, kv_bucket(int(pos.max()) + 1, self.context))
+        mask = torch.arange(L, device=device) <= pos[..., None]
         idx = torch.tensor(chunks, device=device)
         return self.cache.forward(idx, slots, pos, table, mask, last)
 

@@ -85,7 +85,13 @@ class PagedCache:
             self.k = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
             self.v = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
         self.pool, self.model = pool, model
-        self.layers = [PagedLayer(k, v) for k, v in zip(self.k, self.v)]
+        # where every layer gathers its rows' blocks, one layer at a time: laid out as the static cache is (its
+        # slots apart per head), so that the attention kernels split each row's context as they split a lone
+        # sequence's, and round as they do
+        self.rows = [torch.empty(0, 0, 0, 0, dtype=self.k[0].dtype, device=w.device) for _ in range(2)]
+        self.layers = [PagedLayer(k, v, self.rows) for k, v in zip(self.k, self.v)]
+        for view in self.layers:
+            view.slots = model.max_seq_length + 1  # model.KVCache's slots, its spare one included
 
     def bytes_per_block(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
@@ -107,17 +113,24 @@ class PagedCache:
 
 class PagedLayer(torch.nn.Module):
     """One layer's pool, as model.Attention sees a KVCache: update writes the new tokens' K and V at their slots
-    and returns the rows' blocks (table [B, blocks]) laid end to end, [B, n_kv_head, blocks * block_size, head_dim]."""
+    and returns the rows' blocks (table [B, blocks]) laid end to end, [B, n_kv_head, slots, head_dim], of which
+    the model reads the first mask.size(-1); past blocks * block_size they hold finite leftovers, masked."""
 
-    def __init__(self, k: Tensor, v: Tensor):
+    def __init__(self, k: Tensor, v: Tensor, rows: list[Tensor]):
         super().__init__()
-        self.k, self.v, self.table = k, v, None
+        self.k, self.v, self.rows, self.table, self.slots = k, v, rows, None, 0  # slots: the static cache's
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # slots [B, S], k/v [B, Hkv, S, D]
         size = self.k.size(2)
         block, offset = (slots // size).flatten(), (slots % size).flatten()
         for pool, new in ((self.k, k), (self.v, v)):
             pool[block, :, offset] = new.transpose(1, 2).flatten(0, 1).to(pool.dtype)  # [B * S, Hkv, D]
-        B, n = self.table.shape
-        return tuple(pool[self.table].transpose(1, 2).reshape(B, pool.size(1), n * size, pool.size(3))
-                     for pool in (self.k, self.v))
+        (B, n), (_, H, _, D), out = self.table.shape, self.k.shape, []
+        for i, pool in enumerate((self.k, self.v)):
+            if self.rows[i].size(0) < B or self.rows[i].size(2) < n * size:  # [B, Hkv, slots, D], grown as needed
+                slots = max(n * size, self.rows[i].size(2), self.slots)
+                grown = max(B, 2 * self.rows[i].size(0))  # doubling: a batch that grows a row a step reallocates rarely
+                self.rows[i] = torch.zeros(grown, H, slots, D, dtype=pool.dtype, device=pool.device)  # finite
+            self.rows[i][:B, :, : n * size].view(B, H, n, size, D).copy_(pool[self.table].transpose(1, 2))
+            out.append(self.rows[i][:B])  # the model reads as many slots as the mask covers
+        return tuple(out)

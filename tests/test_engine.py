@@ -7,6 +7,7 @@ import torch
 from engine import Engine, Request
 from generate import generate
 from model import ModelArgs, Transformer
+from test_batch_invariance import kernels  # noqa: F401 (a fixture: every kernel set this CPU runs)
 
 
 def tiny(seed=0, **overrides) -> Transformer:
@@ -131,3 +132,24 @@ def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expec
     done = engine.run([Request(ps[0], max_new_tokens=24, eos_ids=(eos,)), Request(ps[1], max_new_tokens=3)])
     assert done[0].out == want[0][: want[0].index(eos)] and done[0].finish_reason == "stop"
     assert done[1].out == want[1][:3] and done[1].finish_reason == "length"
+
+
+# bfloat16 on the CPU kernels: a decoding row's products and attention do not depend on the rows beside it
+# (test_batch_invariance.py), and each row's blocks are laid out for the attention as a lone sequence's cache is,
+# so the batched output is the lone one's token for token. Prefill chunks, prefix hits and recomputation after a
+# preemption compute a prompt's K and V in products of other sizes than a lone prefill, which rounds otherwise in
+# bf16: those are pinned in float32 above.
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights):
+    from test_batch_invariance import bf16_model
+    model = bf16_model(32, weights=weights, kv_heads=8)  # 8 KV heads: a lone 1024-slot cache splits in 768s
+    ps = prompts(7, 8, 20, 400)
+    want = [alone(model, p, 24) for p in ps]
+    rng, engine, live = random.Random(0), Engine(model, blocks=200, max_rows=8), []
+    for p in ps:
+        live.append(engine.add(Request(p, max_new_tokens=24)))
+        for _ in range(rng.randint(0, 3)):
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    assert [r.out for r in live] == want and pool_is_whole(engine)
