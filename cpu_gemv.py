@@ -218,6 +218,8 @@ def register_fakes():
     fake("fast_decode::attend")(lambda q, k, v, mask: torch.empty_like(q, memory_format=torch.contiguous_format))
     fake("fast_decode::attend_int8")(lambda q, k, k_scale, v, v_scale, mask:
                                      torch.empty_like(q, memory_format=torch.contiguous_format))
+    fake("fast_decode::attend_paged")(lambda q, k_pool, v_pool, table, pos, slots:
+                                      torch.empty_like(q, memory_format=torch.contiguous_format))
     fake("fast_decode::dequantize_int4")(lambda w, scales, zeros, f32: w.new_empty(
         w.size(0), 2 * w.size(1), dtype=torch.float32 if f32 else torch.bfloat16))
     fake("fast_decode::gemm_int8")(lambda x, w, scales, dtype: x.new_empty(*x.shape[:-1], w.size(0), dtype=dtype))
@@ -258,6 +260,31 @@ def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor,
         return torch.ops.fast_decode.attend_int8(q, k, k_scale, v, v_scale, attn_mask)
     k, v = dequantize_rows(k, k_scale, q.dtype), dequantize_rows(v, v_scale, q.dtype)
     return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
+
+
+def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, slots: int) -> Tensor:
+    """Attention for a few query rows of many sequences over paged.py's block pool: q [B, H, S, D], k_pool and v_pool
+    [n_blocks, Hkv, block_size, D], table [B, W] int64 each row's blocks in position order, pos [B, S] int64 each
+    query's position (it sees positions 0 .. pos of its row) -> [B, H, S, D]. Through the attend_paged kernel where
+    it runs (bf16 on the CPU): each row then comes out bit for bit as attend() computes it alone over a static cache
+    of `slots` positions, with no copy of the rows' histories. Anything else through torch's attention over the
+    rows' blocks gathered."""
+    if (_lib is not None and q.dtype == k_pool.dtype == v_pool.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and q.size(-1) in (16, 32, 64, 128, 256) and q.size(2) <= MAX_ROWS and q.size(1) % k_pool.size(1) == 0
+            and k_pool.size(2) in (16, 32, 64, 128, 256)  # block sizes that divide every chunk of the kernel's
+            and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and not (torch.is_grad_enabled() and q.requires_grad)):
+        return torch.ops.fast_decode.attend_paged(q, k_pool, v_pool, table, pos, slots)
+    return attend_paged_reference(q, k_pool, v_pool, table, pos)
+
+
+def attend_paged_reference(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor) -> Tensor:
+    """attend_paged in torch: the blocks each row reads gathered end to end, masked past each query's position."""
+    size, n = k_pool.size(2), int(pos.max()) // k_pool.size(2) + 1  # the blocks some row reads
+    blocks = table[:, :n].clamp(0, k_pool.size(0) - 1)  # ids past a row's last position are masked, whatever they are
+    k, v = (pool[blocks].transpose(1, 2).flatten(2, 3).to(q.dtype) for pool in (k_pool, v_pool))  # [B, Hkv, n size, D]
+    mask = torch.arange(n * size, device=q.device) <= pos[..., None]  # [B, S, n size]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.size(1) != k.size(1))
 
 
 # ---- prefill: bf16, fp32 or the kernels, measured -----------------------------------------------------------------

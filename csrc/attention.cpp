@@ -781,19 +781,37 @@ static void merge(const float* parts, uint16_t* out, int64_t B, int64_t H, int64
     }
 }
 
-// out[B, H, S, D] = softmax(q k^T / sqrt(D) + mask) v, bf16; q [B, H, S, D] contiguous; k and v [B, Hkv, L, D]
-// with rows of D contiguous and strides kb, kh; mask [B, S, L] bytes (nonzero: attend), batch stride mb (0: shared).
-// D one of 64, 128, 256, 32 or 16; H a multiple of Hkv, query head h reading KV head h / (H / Hkv).
-void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out,
-                       int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
-                       int64_t mb) {
+// Whether attend's tasks run attend_chunk (q in fp32) rather than attend_chunk_bf16, which reads q as it is
+static inline bool fp32_chunks(int64_t D) {
 #ifdef __AVX512BF16__
-    const bool fp32 = D < 32;  // attend_chunk_bf16 reads q as it is
+    return D < 32;
 #else
-    const bool fp32 = true;
+    (void)D;
+    return true;
 #endif
-    // attend_chunk holds all of a task's scores at once: CHUNK positions of them
-    const int64_t chunk = fp32 ? CHUNK : chunk_for(kh / D, Hkv);
+}
+
+// The cache positions of a task, for a cache of `slots` positions a KV head: attend_chunk holds all of a task's
+// scores at once (CHUNK of them); attend_chunk_bf16's chunks come from the cache's size (chunk_for)
+static inline int64_t chunk_of(int64_t D, int64_t slots, int64_t Hkv) {
+    return fp32_chunks(D) ? CHUNK : chunk_for(slots, Hkv);
+}
+
+// What one task reads: k and v at its KV head's position 0 (rows of D contiguous), mask at its batch row's [S, L],
+// and its positions [j0, j1)
+struct TaskInput {
+    const uint16_t *k, *v;
+    const uint8_t* mask;
+    int64_t L, j0, j1;
+};
+
+// attend's work, whichever way the cache is laid out: the tasks (batch row, KV head, chunk of `chunk` positions out
+// of L), each over what input(b, h, j0, j1) returns for it, then the merge, in one parallel region. Both attend and
+// attend_paged run through here, so that a row's parts, and so its bits, cannot differ between them.
+template <typename F>
+static void attend_tasks(const uint16_t* q, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L,
+                         int64_t D, int64_t chunk, F&& input) {
+    const bool fp32 = fp32_chunks(D);
     const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks;
     // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
     // there a thread_local name would be each worker's own
@@ -822,31 +840,86 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
             int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
             // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
             const int64_t q0 = (b * H + h * G) * S * D;
-            const uint16_t *kt = k + b * kb + h * kh, *vt = v + b * kb + h * kh;
-            const int64_t j0 = c * chunk, j1 = j0 + chunk < L ? j0 + chunk : L;
+            const TaskInput in = input(b, h, c * chunk, c * chunk + chunk < L ? c * chunk + chunk : L);
+            const uint16_t *kt = in.k, *vt = in.v;
+            const uint8_t* mt = in.mask;
+            const int64_t Lt = in.L, j0 = in.j0, j1 = in.j1;
             float* part = &parts[t * R * (D + 2)];
 #ifdef __AVX512BF16__
             const uint16_t* qb = q + q0;
             switch (D) {
-                case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
-                case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
-                case 256: attend_chunk_bf16<256>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
-                case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mask + b * mb, S, L, G, j0, j1, part); return;
+                case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
+                case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
+                case 256: attend_chunk_bf16<256>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
+                case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
             }
 #endif
             const float* qt = qf + q0;
-            const uint8_t* mt = mask + b * mb;
             switch (D) {
-                case 64: attend_chunk<64>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
-                case 128: attend_chunk<128>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
-                case 256: attend_chunk<256>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
-                case 32: attend_chunk<32>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part); break;
-                default: attend_chunk<16>(qt, kt, nullptr, vt, nullptr, mt, S, L, R, j0, j1, part);
+                case 64: attend_chunk<64>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
+                case 128: attend_chunk<128>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
+                case 256: attend_chunk<256>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
+                case 32: attend_chunk<32>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
+                default: attend_chunk<16>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part);
             }
         });
         #pragma omp barrier
         merge<out_slot>(parts, out, B, H, Hkv, S, D, chunks);
     }
+}
+
+// out[B, H, S, D] = softmax(q k^T / sqrt(D) + mask) v, bf16; q [B, H, S, D] contiguous; k and v [B, Hkv, L, D]
+// with rows of D contiguous and strides kb, kh; mask [B, S, L] bytes (nonzero: attend), batch stride mb (0: shared).
+// D one of 64, 128, 256, 32 or 16; H a multiple of Hkv, query head h reading KV head h / (H / Hkv).
+void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out,
+                       int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
+                       int64_t mb) {
+    const int64_t chunk = chunk_of(D, kh / D, Hkv);
+    attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1) {
+        return TaskInput{k + b * kb + h * kh, v + b * kb + h * kh, mask + b * mb, L, j0, j1};
+    });
+}
+
+// One task of attend_paged: the positions of [j0, j1) that batch row b's queries see (up to its furthest pos), of KV
+// head h, copied from their blocks into this thread's scratch with their mask rows, as positions 0 .. n - 1. No bit
+// changes: the chunk routines read only positions some row sees, in blocks counted from the first (j0: every mask
+// row is a prefix), and a chunk nobody sees adds nothing to the merge. A chunk is whole blocks (block_size divides
+// it): one memcpy a block for K and one for V.
+static TaskInput paged_task(const uint16_t* kp, const uint16_t* vp, const int64_t* table, const int64_t* pos,
+                            int64_t Hkv, int64_t S, int64_t D, int64_t W, int64_t bs, int64_t b, int64_t h,
+                            int64_t j0, int64_t j1) {
+    static thread_local vec<uint16_t> kc, vc;
+    static thread_local vec<uint8_t> mc;
+    const int64_t* p = pos + b * S;
+    int64_t end = j0;  // past the furthest position a row sees, in [j0, j1]
+    for (int64_t s = 0; s < S; s++) end = p[s] + 1 > end ? p[s] + 1 : end;
+    const int64_t n = (end < j1 ? end : j1) - j0;
+    kc.resize(n * D), vc.resize(n * D), mc.resize(S * n);
+    for (int64_t j = 0; j < n; j += bs) {
+        const int64_t at = (table[b * W + (j0 + j) / bs] * Hkv + h) * bs * D, m = bs < n - j ? bs : n - j;
+        memcpy(&kc[j * D], kp + at, m * D * sizeof(uint16_t));
+        memcpy(&vc[j * D], vp + at, m * D * sizeof(uint16_t));
+    }
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = 0; j < n; j++) mc[s * n + j] = j0 + j <= p[s];
+    return TaskInput{kc.data(), vc.data(), mc.data(), n, 0, n};
+}
+
+// attend for B rows over a paged cache: k and v pools [n_blocks, Hkv, bs, D], table [B, W] each row's blocks in
+// position order, pos [B, S] each query's position (it sees positions 0 .. pos). Each row comes out as attend
+// computes it alone over a contiguous cache of `slots` positions (the chunks are that cache's). Returns 0, or the
+// chunk when bs is no multiple of 16 dividing it (nothing computed).
+int64_t fast_decode::attend_paged(const uint16_t* q, const uint16_t* kp, const uint16_t* vp, const int64_t* table,
+                                  const int64_t* pos, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S,
+                                  int64_t D, int64_t W, int64_t bs, int64_t slots) {
+    const int64_t chunk = chunk_of(D, slots, Hkv);
+    if (bs < 16 || bs % 16 || chunk % bs) return chunk;
+    int64_t L = 0;  // the positions some row sees: rows with fewer have empty tasks at the end
+    for (int64_t i = 0; i < B * S; i++) L = pos[i] + 1 > L ? pos[i] + 1 : L;
+    attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1) {
+        return paged_task(kp, vp, table, pos, Hkv, S, D, W, bs, b, h, j0, j1);
+    });
+    return 0;
 }
 
 #ifdef __AVX512VNNI__

@@ -57,6 +57,15 @@ void dequantize_int4(const uint8_t* w, const uint16_t* scales, const uint16_t* z
 void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint8_t* mask, uint16_t* out, int64_t B,
             int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh, int64_t mb);
 
+// attend() for B rows over a paged cache: k_pool and v_pool [n_blocks, Hkv, bs, D] bf16, table [B, W] each row's
+// block ids in position order (position p in block table[b, p / bs] at p % bs), pos [B, S] each query's position (it
+// sees positions 0 .. pos[b, s] of its row). Each row comes out bit for bit as attend() computes it alone over a
+// contiguous cache of `slots` positions a KV head (kh = slots * D) holding the same K and V. Returns 0; or, where bs
+// is no multiple of 16 that divides the chunk of positions a task takes, that chunk, and computes nothing.
+int64_t attend_paged(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, const int64_t* table,
+                     const int64_t* pos, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t D,
+                     int64_t W, int64_t bs, int64_t slots);
+
 // attend() over an int8 cache: k and v [B, Hkv, L, D] int8, ks [B, Hkv, L] and vs [B, Hkv, L, D / 32] float32
 // scales (ksb, ksh, vsb, vsh: their strides of b and of a head); D 64, 128 or 256
 void attend_int8(const uint16_t* q, const int8_t* k, const float* ks, const int8_t* v, const float* vs,
@@ -89,6 +98,7 @@ struct KernelSet {
     decltype(&fast_decode::dequantize_int4) dequantize_int4;
     decltype(&fast_decode::attend) attend;
     decltype(&fast_decode::attend_int8) attend_int8;
+    decltype(&fast_decode::attend_paged) attend_paged;
     decltype(&fast_decode::decode_step) decode_step;
     decltype(&fast_decode::forward_rows) forward_rows;
     decltype(&fast_decode::greedy) greedy;

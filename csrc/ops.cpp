@@ -106,6 +106,57 @@ static Tensor attend_int8(const Tensor& q_, const Tensor& k, const Tensor& ks, c
     return y;
 }
 
+// q [B, H, S, D] bf16 over a paged cache: k_pool and v_pool [n_blocks, Hkv, block_size, D] bf16 (contiguous), table
+// [B, W] int64 each row's block ids in position order, pos [B, S] int64 each query's position (it sees positions
+// 0 .. pos of its row) -> [B, H, S, D], each row bit for bit as attend() computes it alone over a contiguous cache of
+// `slots` positions. The kernel reads what pos and table point at: both are checked here first.
+static Tensor attend_paged(const Tensor& q_, const Tensor& kp, const Tensor& vp, const Tensor& table_,
+                           const Tensor& pos_, int64_t slots) {
+    TORCH_CHECK(q_.dim() == 4 && kp.dim() == 4 && vp.sizes() == kp.sizes(), "attend_paged: q must be [B, H, S, D] ",
+                "and k_pool, v_pool [n_blocks, Hkv, block_size, D], got ", q_.sizes(), ", ", kp.sizes(), " and ",
+                vp.sizes());
+    TORCH_CHECK(q_.scalar_type() == at::kBFloat16 && kp.scalar_type() == at::kBFloat16 &&
+                vp.scalar_type() == at::kBFloat16, "attend_paged: q, k_pool and v_pool must be bfloat16, got ",
+                q_.scalar_type(), ", ", kp.scalar_type(), " and ", vp.scalar_type());
+    TORCH_CHECK(q_.device().is_cpu() && kp.device().is_cpu() && vp.device().is_cpu() && table_.device().is_cpu() &&
+                pos_.device().is_cpu(), "attend_paged: every tensor must be on the CPU");
+    const int64_t B = q_.size(0), H = q_.size(1), S = q_.size(2), D = q_.size(3);
+    const int64_t n_blocks = kp.size(0), Hkv = kp.size(1), bs = kp.size(2);
+    TORCH_CHECK(kp.size(3) == D && (D == 16 || D == 32 || D == 64 || D == 128 || D == 256),
+                "attend_paged: head dim 16, 32, 64, 128 or 256 in q and the pools, got ", D, " and ", kp.size(3));
+    TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "attend_paged: ", H, " query heads do not share ", Hkv, " KV heads evenly");
+    TORCH_CHECK(S >= 1 && S <= 32, "attend_paged: 1 to 32 query positions a row (q's S), got ", S);
+    TORCH_CHECK(bs >= 16 && bs % 16 == 0, "attend_paged: block_size must be a multiple of 16, got ", bs);
+    TORCH_CHECK(kp.is_contiguous() && vp.is_contiguous(), "attend_paged: k_pool and v_pool must be contiguous");
+    TORCH_CHECK(table_.scalar_type() == at::kLong && table_.dim() == 2 && table_.size(0) == B,
+                "attend_paged: table must be int64 [B, W] with B = ", B, ", got ", table_.scalar_type(), " ",
+                table_.sizes());
+    TORCH_CHECK(pos_.scalar_type() == at::kLong && pos_.dim() == 2 && pos_.size(0) == B && pos_.size(1) == S,
+                "attend_paged: pos must be int64 [B, S] = [", B, ", ", S, "], got ", pos_.scalar_type(), " ",
+                pos_.sizes());
+    Tensor q = q_.contiguous(), table = table_.contiguous(), pos = pos_.contiguous();
+    const int64_t W = table.size(1), *t = ptr<int64_t>(table), *p = ptr<int64_t>(pos);
+    const int64_t room = slots < W * bs ? slots : W * bs;  // the positions the cache and the table both hold
+    for (int64_t b = 0; b < B; b++) {
+        int64_t last = 0;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t x = p[b * S + s];
+            TORCH_CHECK(x >= 0 && x < room, "attend_paged: row ", b, " has position ", x, ", outside 0 .. ",
+                        room - 1, " (", slots, " slots, ", W, " blocks of ", bs, " in its table)");
+            last = x > last ? x : last;
+        }
+        for (int64_t i = 0; i <= last / bs; i++)  // the blocks the row reads; the table's rest is never read
+            TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < n_blocks, "attend_paged: row ", b, "'s block ", i, " is ",
+                        t[b * W + i], ", outside the pool's ", n_blocks, " blocks");
+    }
+    Tensor y = at::empty(q.sizes(), q.options());
+    const int64_t chunk = kernels().attend_paged(ptr<uint16_t>(q), ptr<uint16_t>(kp), ptr<uint16_t>(vp), t, p,
+                                                 ptr<uint16_t>(y), B, H, Hkv, S, D, W, bs, slots);
+    TORCH_CHECK(chunk == 0, "attend_paged: block_size ", bs, " does not divide the kernel's chunk of ", chunk,
+                " positions (", slots, " slots, ", Hkv, " KV heads of ", D, "); 16, 32, 64, 128 and 256 always do");
+    return y;
+}
+
 // ---- the batch-1 step: kernels.h's Model, filled from model.py's tensors -------------------------------------------
 
 // a product's tensors: [w] bf16, [w, scales] int8, or [w, scales, zeros] int4 (w packed two to a byte)
@@ -185,6 +236,7 @@ TORCH_LIBRARY(fast_decode, m) {
     m.def("gemv_int4(Tensor x, Tensor w, Tensor scales, Tensor zeros, bool f32=False) -> Tensor");
     m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
     m.def("attend_int8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor mask) -> Tensor");
+    m.def("attend_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor pos, int slots) -> Tensor");
     m.def("dequantize_int4(Tensor w, Tensor scales, Tensor zeros, bool f32) -> Tensor");
     m.def("gemm_int8(Tensor x, Tensor w, Tensor scales, ScalarType dtype) -> Tensor");
     m.def("use_kernels(str path) -> ()", use_kernels);
@@ -207,4 +259,5 @@ TORCH_LIBRARY_IMPL(fast_decode, CPU, m) {
     m.impl("gemm_int8", gemm_int8);
     m.impl("attend", attend);
     m.impl("attend_int8", attend_int8);
+    m.impl("attend_paged", attend_paged);
 }
