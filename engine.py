@@ -18,6 +18,12 @@ from model import kv_bucket
 from paged import BlockPool, PagedCache, block_hash
 
 
+def attend_paged_kernel(model) -> Optional[Callable]:
+    """cpu_gemv.attend_paged for a model on the CPU kernels (its attention is theirs), else None."""
+    import cpu_gemv
+    return cpu_gemv.attend_paged if model.layers[0].attention.sdpa is cpu_gemv.sdpa else None
+
+
 @dataclass(eq=False)
 class Request:
     """One prompt and how to continue it; the engine fills in the rest. grammar: llguidance's text (from
@@ -67,7 +73,7 @@ class Engine:
             raise ValueError("the engine needs the model's RoPE table: call model.setup_caches first")
         blocks = blocks or max_rows * -(-self.context // block_size) // 2
         self.pool = BlockPool(blocks, block_size)
-        self.cache = PagedCache(model, self.pool, kv_dtype)
+        self.cache = PagedCache(model, self.pool, kv_dtype, attend_paged_kernel(model))
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None

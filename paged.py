@@ -78,18 +78,20 @@ class PagedCache:
     """The pool's tensors, k and v [n_blocks, n_kv_head, block_size, head_dim] for every layer, and the per-layer
     views (PagedLayer) that stand in for a model's static KVCache during one forward pass."""
 
-    def __init__(self, model, pool: BlockPool, dtype: Optional[torch.dtype] = None):
+    def __init__(self, model, pool: BlockPool, dtype: Optional[torch.dtype] = None, attend=None):
         a, w = model.args, model.norm.weight
         shape = (pool.n_blocks, a.n_kv_head, pool.block_size, a.head_dim)
         with torch.inference_mode(False):  # written in place by every later step
             self.k = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
             self.v = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
-        self.pool, self.model = pool, model
+        # attend(q, k_pool, v_pool, table, pos, slots) -> [B, H, S, D]: attention for a few rows straight over the
+        # pool (cpu_gemv.attend_paged), which spares the gather; None: gather, and the model's own attention
+        self.pool, self.model, self.attend = pool, model, attend
         # where every layer gathers its rows' blocks, one layer at a time: laid out as the static cache is (its
         # slots apart per head), so that the attention kernels split each row's context as they split a lone
         # sequence's, and round as they do
         self.rows = [torch.empty(0, 0, 0, 0, dtype=self.k[0].dtype, device=w.device) for _ in range(2)]
-        self.layers = [PagedLayer(k, v, self.rows) for k, v in zip(self.k, self.v)]
+        self.layers = [PagedLayer(k, v, self.rows, attend) for k, v in zip(self.k, self.v)]
         for view in self.layers:
             view.slots = model.max_seq_length + 1  # model.KVCache's slots, its spare one included
 
@@ -101,14 +103,17 @@ class PagedCache:
         go: block * block_size + offset) and pos (its RoPE position) [B, S]; table [B, blocks] the blocks each row
         reads, in order; mask [B, S, blocks * block_size] the slots of those each token sees. -> logits [B, S|1, V]"""
         layers = [layer.attention for layer in self.model.layers]
-        kept = [a.kv_cache for a in layers]
+        kept = [(a.kv_cache, a.sdpa) for a in layers]
+        direct = self.attend is not None and idx.size(1) <= 32  # the kernel's rows: decode steps, short chunks
         try:
             for a, view in zip(layers, self.layers):
-                a.kv_cache, view.table = view, table
+                a.kv_cache, view.table, view.pos = view, table, pos if direct else None
+                if direct:
+                    a.sdpa = view.attend
             return self.model(idx, slots, mask=mask, pos=pos, last=last)
         finally:
-            for a, cache in zip(layers, kept):
-                a.kv_cache = cache
+            for a, (cache, sdpa) in zip(layers, kept):
+                a.kv_cache, a.sdpa = cache, sdpa
 
 
 class PagedLayer(torch.nn.Module):
@@ -116,15 +121,22 @@ class PagedLayer(torch.nn.Module):
     and returns the rows' blocks (table [B, blocks]) laid end to end, [B, n_kv_head, slots, head_dim], of which
     the model reads the first mask.size(-1); past blocks * block_size they hold finite leftovers, masked."""
 
-    def __init__(self, k: Tensor, v: Tensor, rows: list[Tensor]):
+    def __init__(self, k: Tensor, v: Tensor, rows: list[Tensor], attend=None):
         super().__init__()
         self.k, self.v, self.rows, self.table, self.slots = k, v, rows, None, 0  # slots: the static cache's
+        self.kernel, self.pos = attend, None  # pos [B, S], while a forward pass reads the pool in place
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask=None, is_causal=False, enable_gqa=False) -> Tensor:
+        """model.Attention's sdpa, over the pool in place: k and v are the pool (update returned it)."""
+        return self.kernel(q, k, v, self.table, self.pos, self.slots)
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # slots [B, S], k/v [B, Hkv, S, D]
         size = self.k.size(2)
         block, offset = (slots // size).flatten(), (slots % size).flatten()
         for pool, new in ((self.k, k), (self.v, v)):
             pool[block, :, offset] = new.transpose(1, 2).flatten(0, 1).to(pool.dtype)  # [B * S, Hkv, D]
+        if self.pos is not None:  # read in place by attend
+            return self.k, self.v  # (the model's cut to the mask's length leaves a block's positions whole)
         (B, n), (_, H, _, D), out = self.table.shape, self.k.shape, []
         for i, pool in enumerate((self.k, self.v)):
             if self.rows[i].size(0) < B or self.rows[i].size(2) < n * size:  # [B, Hkv, slots, D], grown as needed

@@ -4,6 +4,8 @@ import random
 import pytest
 import torch
 
+import cpu_gemv
+
 from engine import Engine, Request
 from generate import generate
 from model import ModelArgs, Transformer
@@ -146,6 +148,7 @@ def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights
     ps = prompts(7, 8, 20, 400)
     want = [alone(model, p, 24) for p in ps]
     rng, engine, live = random.Random(0), Engine(model, blocks=200, max_rows=8), []
+    assert engine.cache.attend is cpu_gemv.attend_paged  # decode attention straight over the pool
     for p in ps:
         live.append(engine.add(Request(p, max_new_tokens=24)))
         for _ in range(rng.randint(0, 3)):
