@@ -38,7 +38,8 @@ class Request:
     eos_ids: tuple = ()
     grammar: Optional[str] = None
     out: list[int] = field(default_factory=list)  # the new tokens, without an end-of-sequence one
-    finish_reason: Optional[str] = None  # "stop", "length", "cancelled" or "error"; None while it runs
+    finish_reason: Optional[str] = None  # "stop", "length", "incomplete" (see emit), "cancelled" or "error"; None
+    # while it runs
     error: Optional[str] = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the first admission's)
     blocks: list = field(default_factory=list)  # its block table
@@ -77,6 +78,7 @@ class Engine:
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None
+        self.computing: dict = {}  # hash of a full prompt block -> the admitted request that is computing it
         self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefilled=0, generated=0, preempted=0,
                           peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in chunks
 
@@ -126,8 +128,13 @@ class Engine:
         r.finish_reason, r.error, r.times["finished"] = reason, error, time.perf_counter()
         if r in self.running:
             self.running.remove(r)
+        self.release(r)
+
+    def release(self, r: Request):  # r's blocks back to the pool, and the blocks it was to fill to nobody
         self.pool.release(r.blocks)
         r.blocks, r.hashes, r.computed = [], [], 0
+        for h in [h for h, owner in self.computing.items() if owner is r]:
+            del self.computing[h]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -174,6 +181,8 @@ class Engine:
         hits = 0
         while hits < full and self.pool.by_hash.get(hashes[hits]) is not None:
             hits += 1
+        if hits < full and hashes[hits] in self.computing:  # a running request is filling that block: wait for it
+            return False
         need = -(-len(tokens) // size) - hits
         cached = sum(1 for i in range(hits) if self.pool.refs[self.pool.by_hash[hashes[i]]] == 0)
         if self.pool.available() - cached < need + len(self.running):
@@ -184,8 +193,10 @@ class Engine:
             if block is None:  # a hash that collided: compute from here
                 break
             blocks.append(block)
-        r.blocks, r.hashes, r.computed = blocks, hashes[: len(blocks)], len(blocks) * size
-        r.blocks += [self.pool.take() for _ in range(-(-len(tokens) // size) - len(blocks))]
+        shared = len(blocks)
+        r.blocks = blocks + [self.pool.take() for _ in range(-(-len(tokens) // size) - shared)]
+        r.hashes, r.computed = hashes[:shared], shared * size
+        self.computing.update((h, r) for h in hashes[shared:])
         if not r.out:  # the first admission's figures (a preempted request finds its own blocks)
             r.cached_tokens = r.computed
             self.stats["prompt_tokens"] += len(r.prompt)
@@ -196,8 +207,7 @@ class Engine:
         """Give r's blocks back and queue it first, to be recomputed: its tokens so far stay, so the recompute
         continues where it was (and finds its full blocks again while nothing has reused them)."""
         self.running.remove(r)
-        self.pool.release(r.blocks)
-        r.blocks, r.hashes, r.computed = [], [], 0
+        self.release(r)
         self.waiting.appendleft(r)
         self.stats["preempted"] += 1
 
@@ -256,6 +266,8 @@ class Engine:
             content = tuple(tokens[i * size : (i + 1) * size])
             r.hashes.append(block_hash(parent, content))
             self.pool.register(r.blocks[i], r.hashes[-1], parent, content)
+            if self.computing.get(r.hashes[-1]) is r:
+                del self.computing[r.hashes[-1]]
 
     def emit(self, r: Request, logits):  # logits [V]
         """Sample r's next token and decide whether r is done."""
@@ -281,8 +293,8 @@ class Engine:
             return self.finish(r, "stop")
         if r.matcher is not None and r.matcher.is_stopped():
             return self.finish(r, "stop")
-        if len(r.out) >= r.max_new_tokens:
-            self.finish(r, "length")
+        if len(r.out) >= r.max_new_tokens:  # "incomplete": cut before its grammar was satisfied
+            self.finish(r, "incomplete" if r.matcher is not None and not r.matcher.is_accepting() else "length")
 
     def sample(self, r: Request, logits) -> int:  # logits [V]
         if r.temperature == 0:

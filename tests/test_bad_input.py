@@ -103,6 +103,11 @@ def lark_file(tmp, text):
     return tmp / "g.lark"
 
 
+def text_file(tmp, name, text):
+    (tmp / name).write_text(text)
+    return tmp / name
+
+
 def user_folder(tmp, *names):
     d = tmp / "mine"
     for n in names:
@@ -117,6 +122,7 @@ GGUF = "scripts/convert_gguf.py"
 TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "scripts/bench_quantize.py",
                                   "scripts/bench_speculative.py")
 BENCH_C = "scripts/bench_cpu_step.py"
+BATCH, BENCH_E = "batch.py", "scripts/bench_engine.py"
 N = ("--max_new_tokens", 4)
 
 # id: (script, lambda tmp, ckpt, sp -> args, a word the one line must contain)
@@ -277,6 +283,25 @@ ROWS = {
     "bench_cpu_step_rounds_zero": (BENCH_C, lambda t, c, s: ["--rounds", 0], "--rounds"),
     "bench_cpu_step_json_onto_a_users_file": (BENCH_C, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
                                               "not an earlier output"),
+    "batch_no_prompts_file": (BATCH, lambda t, c, s: ["--checkpoint_path", c, "--prompts_file", t / "none"],
+                              "not found"),
+    "batch_prompts_file_of_blank_lines": (BATCH, lambda t, c, s: ["--checkpoint_path", c, "--prompts_file",
+                                                                  text_file(t, "p.txt", "\n  \n")], "no prompt"),
+    "batch_prompts_file_bad_json_line": (BATCH, lambda t, c, s: [
+        "--checkpoint_path", c, "--prompts_file", text_file(t, "p.jsonl", '{"prompt": "a"}\n{"prompt": \n')],
+        "line 2"),
+    "batch_prompts_file_line_without_prompt": (BATCH, lambda t, c, s: [
+        "--checkpoint_path", c, "--prompts_file", text_file(t, "p.jsonl", '{"prompt": "a"}\n{"text": "b"}\n')],
+        "line 2"),
+    "batch_output_onto_a_users_file": (BATCH, lambda t, c, s: [
+        "--checkpoint_path", c, "--prompts_file", text_file(t, "p.txt", "hi\n"), "--output",
+        user_folder(t, "a.jsonl") / "a.jsonl"], "exists"),
+    "batch_concurrency_zero": (BATCH, lambda t, c, s: ["--checkpoint_path", c, "--prompts_file",
+                                                       text_file(t, "p.txt", "hi\n"), "--concurrency", 0],
+                               "--concurrency"),
+    "bench_engine_lengths_reversed": (BENCH_E, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
+    "bench_engine_json_onto_a_users_file": (BENCH_E, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
+                                            "not an earlier output"),
 }
 
 

@@ -105,3 +105,14 @@ def test_bench_speculative_compares_the_default_with_the_best_method_on_the_same
             "suffix": [[run(3.0), run(3.0)]]}
     out = summary(runs)
     assert out["best_forced"] == "lookup" and out["auto_over_best"] == pytest.approx(1.0)
+
+
+def test_bench_engine_runs_a_workload_through_the_engine_and_writes_json(tmp_path):
+    out = tmp_path / "engine.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_engine.py"), "--models", "builtin",
+                             "--requests", "6", "--concurrency", "3", "--lengths", "8", "24", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    r = json.loads(out.read_text())["models"]["builtin"]
+    assert r["new_tokens"] >= 6 * 8 and r["tokens_per_s"] > 0 and r["batch1_tokens_per_s"] > 0
+    assert 0 < r["peak_kv_bytes"] <= r["static_kv_bytes"] and "| builtin |" in result.stdout

@@ -138,3 +138,33 @@ def test_the_readme_python_example_runs(smollm2_imports, monkeypatch, capsys):
     exec(compile(code.replace("checkpoints/SmolLM2-135M-Instruct", str(smollm2_imports["int4"])), "README.md",
                  "exec"), {})
     assert capsys.readouterr().out.strip()
+
+
+def test_many_prompts_each_keep_their_own_schema_and_a_bad_one_fails_alone(llm):
+    import jsonschema
+    schemas = [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                "additionalProperties": False},
+               {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}]
+    outs = llm.generate_many([{"prompt": "x = ", "json_schema": schemas[0]}, {"prompt": "y = ", "json_schema":
+                             schemas[1]}, {"prompt": "z = ", "json_schema": "{not json"}, "w = "],
+                             max_new_tokens=40, temperature=0, progress=False)
+    for out, schema in zip(outs, schemas):
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), schema)
+    assert outs[2].finish_reason == "error" and "JSON" in outs[2].error and outs[2].tokens == []
+    assert outs[3].finish_reason == "length" and len(outs[3].tokens) == 40
+
+
+def test_many_prompts_with_one_too_long_run_the_rest(llm):
+    outs = llm.generate_many(["def f():", "x " * 5000, "import os"], max_new_tokens=8, temperature=0,
+                             progress=False)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"] and "context" in outs[1].error
+    assert outs[0].tokens == llm.generate("def f():", max_new_tokens=8, temperature=0).tokens
+
+
+def test_many_prompts_sharing_a_header_prefill_it_once(llm):
+    header = "import os\nimport sys\n\n" * 20
+    outs = llm.generate_many([header + f"def f{i}(x):" for i in range(4)], max_new_tokens=4, temperature=0,
+                             progress=False)
+    assert all(o.metrics["cached_tokens"] >= 0.9 * o.metrics["prompt_tokens"] - 16 for o in outs[1:])
+    assert outs[3].tokens == llm.generate(header + "def f3(x):", max_new_tokens=4, temperature=0).tokens

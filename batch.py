@@ -1,0 +1,90 @@
+"""Run a data set through a model: every prompt of a file, many at a time on one paged KV cache (engine.py), each
+answer written as a line of JSON.
+
+    python batch.py --prompts_file questions.txt --output answers.jsonl --temperature 0
+
+--prompts_file holds one prompt per line, or JSON Lines, each {"prompt": "...", ...} with its own options if it
+wants them (max_new_tokens, temperature, top_k, top_p, seed, stop, json_schema, regex, ...). A prompt that cannot
+run (too long, a bad schema) gets "finish_reason": "error" and its error; the others run."""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import cli
+
+
+def read_prompts(path: Path) -> list:
+    """The file's prompts: str per line, or dicts (JSON Lines); blank lines skipped."""
+    text = sys.stdin.read() if str(path) == "-" else cli.check_text_file(path, "--prompts_file").read_text()
+    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts_file {path} holds no prompt")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines]
+    prompts = []
+    for i, line in lines:
+        try:
+            p = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompts_file {path} line {i}: not JSON ({e.msg})") from None
+        if not isinstance(p, dict) or not isinstance(p.get("prompt"), str):
+            raise ValueError(f"--prompts_file {path} line {i}: each line needs a \"prompt\" string")
+        prompts.append(p)
+    return prompts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
+    p.add_argument("--prompts_file", type=Path, required=True, help="one prompt per line, or JSON Lines of "
+                   "{\"prompt\": ..., options}; - reads standard input")
+    p.add_argument("--output", type=Path, help="where to write the answers as JSON Lines (default: standard output); "
+                   "an existing file is never overwritten")
+    p.add_argument("--checkpoint_path", type=Path, default=cli.DEFAULT_CHECKPOINT, help="the model's folder")
+    p.add_argument("--max_new_tokens", type=cli.positive_int, default=200, help="tokens per answer, at most")
+    p.add_argument("--temperature", type=cli.finite_float, default=0.8, help="0 is greedy")
+    p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample among the k most likely tokens")
+    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample among the most likely tokens "
+                   "holding this much probability")
+    p.add_argument("--seed", type=cli.seed, help="each request's sampling seed (the same for every prompt)")
+    p.add_argument("--chat", action="store_true", help="each prompt as a user turn in the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
+    p.add_argument("--concurrency", type=cli.positive_int, default=16, help="requests decoding at once")
+    p.add_argument("--kv_blocks", type=cli.positive_int, help="KV cache blocks of 16 tokens (default: room for "
+                   "--concurrency requests of half the context each; more requests wait or are recomputed)")
+    p.add_argument("--max_seq_length", type=cli.positive_int, help="the context: prompt + answer, at most")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="bfloat16", choices=list(cli.DTYPES), help="weight and activation dtype")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the free physical cores)")
+    args = cli.one_line_errors(p).parse_args(argv)
+    if args.output is not None and args.output.exists():
+        raise ValueError(f"--output {args.output} exists: give a new path (nothing is overwritten)")
+    prompts = read_prompts(args.prompts_file)
+    from engine import Engine
+    from llm import LLM
+    llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
+              threads=args.threads)
+    llm.engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.concurrency)
+    t0 = time.perf_counter()
+    answers = llm.generate_many(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                                system=args.system, progress=sys.stderr.isatty())
+    seconds = time.perf_counter() - t0
+    lines = "".join(json.dumps({"prompt": q if isinstance(q, str) else q["prompt"], "text": a.text,
+                                "finish_reason": a.finish_reason, **({"error": a.error} if a.error else {}),
+                                "usage": a.metrics}) + "\n" for q, a in zip(prompts, answers))
+    if args.output is None:
+        sys.stdout.write(lines)
+    else:
+        cli.write_file(args.output, lambda tmp: tmp.write_text(lines))
+    s, pool = llm.engine.stats, llm.engine.pool
+    print(f"{len(prompts)} requests ({sum(a.error is not None for a in answers)} refused) in {seconds:.2f} s: "
+          f"{s['generated'] / seconds:.1f} new tokens/s; {s['prompt_tokens']} prompt tokens, {s['cached_tokens']} "
+          f"of them from the prefix cache; peak KV {s['peak_blocks']} of {pool.n_blocks} blocks "
+          f"({s['peak_blocks'] * llm.engine.cache.bytes_per_block() / 1e6:.1f} MB); {s['preempted']} preemptions",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    cli.run_main(main)
