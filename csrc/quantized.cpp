@@ -89,7 +89,10 @@ static inline __m256i sum8x8_i32(const __m256i* a) {
 #define WIDE 0
 #endif
 #define FLIP (WIDE ? 128 : 0)
-#define TW (WIDE ? 4 : 1)  // weight rows a tile of the int8 product (dot_i8): AVX2's 16 registers hold one
+// a tile of the int8 product (dot_i8): TW weight rows by TR rows of x, their accumulators in registers (AVX2's 16
+// hold one weight row's)
+#define TW (WIDE ? 4 : 1)
+#define TR 4
 
 // int8 w (scale per row) against x in blocks of 32; returns 8 lanes whose sum less FLIP x sum of p.c is the product.
 // AVX2: |w| times x with w's sign, as maddubs wants unsigned by signed. AVX-512 VNNI: w + 128 as unsigned (one xor),
@@ -433,7 +436,7 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
         }
     }
     // Each weight row is read from memory once, 8 rows' sums reduced together. Several rows of x (a batch, a verify
-    // pass) go over the 8 rows while they are in cache, in tiles of TW weight rows by 4 rows of x, each summed
+    // pass) go over the 8 rows while they are in cache, in tiles of TW weight rows by TR rows of x, each summed
     // exactly as it would be alone: a row's result does not depend on the rows beside it, so verifying a token
     // computes what decoding it does.
     share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
@@ -442,12 +445,12 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
             const int8_t* wr[8];
             for (int64_t i = 0; i < 8; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;  // past N: row n0 again
             for (int64_t m = 0; m < M;) {
-                const XQ* xr[4] = {&xq[m], &xq[m + 1 < M ? m + 1 : m], &xq[m + 2 < M ? m + 2 : m],
-                                   &xq[m + 3 < M ? m + 3 : m]};
-                const int64_t r = M - m >= 4 ? 4 : 1;  // 4 rows of x a pass, the last few one by one
-                __m256 t[4][8], u[4][TW];
+                const int64_t r = M - m >= TR ? TR : 1;  // TR rows of x a pass, the last few one by one
+                const XQ* xr[TR];
+                for (int64_t j = 0; j < TR; j++) xr[j] = &xq[m + j < M ? m + j : m];
+                __m256 t[TR][8], u[TR][TW];
                 for (int64_t i = 0; i < 8; i += TW) {
-                    if (r == 4) dot_i8<TW, 4>(xr, wr + i, K, u); else dot_i8<TW, 1>(xr, wr + i, K, u);
+                    if (r == TR) dot_i8<TW, TR>(xr, wr + i, K, u); else dot_i8<TW, 1>(xr, wr + i, K, u);
                     for (int64_t j = 0; j < r; j++)
                         for (int64_t c = 0; c < TW; c++) t[j][i + c] = u[j][c];
                 }
