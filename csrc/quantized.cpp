@@ -9,7 +9,6 @@
 struct XQ {  // one row of x rounded to int8 per block of B: xq, and per block the scale d, d * sum xq, and sum x
     vec<int8_t> q;
     vec<float> d, c, sum;
-    vec<float> d2;  // int8's AVX-512 steps: per 64 values, 8 lanes of the first block's d, then 8 of the second's
 };
 // kept from call to call: allocations a product cost a measurable share of a decode step
 static thread_local std::vector<XQ> xq_;
@@ -97,7 +96,7 @@ static inline __m256i sum8x8_i32(const __m256i* a) {
 // int8 w (scale per row) against x in blocks of 32; returns 8 lanes whose sum less FLIP x sum of p.c is the product.
 // AVX2: |w| times x with w's sign, as maddubs wants unsigned by signed. AVX-512 VNNI: w + 128 as unsigned (one xor),
 // so sum (w + 128) x = sum w x + 128 sum x, the last taken off once a row; 64 weights a step, its 16 int32 sums
-// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's, as p.d2 holds them),
+// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's),
 // which is quicker than gathering 8 blocks' sums into one vector first (HOW_IT_WORKS.md, "The int8 and int4
 // products"). A tile of W weight rows by R rows of x: each load of w serves R rows of x, each load of x (and of its
 // scales) W rows of w, and every pair's sums run exactly as they would alone: out[r][j] = dot_i8 of x row r, w row j.
@@ -112,22 +111,26 @@ static inline void dot_i8(const XQ* const* p, const int8_t* const* w, int64_t K,
     __m512 wacc[R][W];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < W; j++) wacc[r][j] = _mm512_setzero_ps();
-    for (; k + 256 <= K; k += 256)
+    for (; k + 256 <= K; k += 256) {
+        __m512 d[R];
+        for (int r = 0; r < R; r++) d[r] = _mm512_castps256_ps512(_mm256_loadu_ps(&p[r]->d[k / 32]));
         for (int i = 0; i < 4; i++) {
             __m512i v[W];
             for (int j = 0; j < W; j++) {
                 ahead(w[j] + k + 64 * i);
                 v[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k + 64 * i), flip);
             }
+            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1);
             for (int r = 0; r < R; r++) {
                 const __m512i xq = _mm512_loadu_si512(&p[r]->q[k + 64 * i]);
-                const __m512 d = _mm512_loadu_ps(&p[r]->d2[(k / 64 + i) * 16]);
+                const __m512 ds = _mm512_permutexvar_ps(pick, d[r]);  // the step's two blocks' scales, 8 lanes each
                 for (int j = 0; j < W; j++) {
                     __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[j], xq);
-                    wacc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), d, wacc[r][j]);
+                    wacc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), ds, wacc[r][j]);
                 }
             }
         }
+    }
     for (int r = 0; r < R; r++)
         for (int j = 0; j < W; j++)
             total[r][j] = _mm256_add_ps(_mm512_castps512_ps256(wacc[r][j]),
@@ -403,19 +406,32 @@ static inline void dot_i8_exact(const float* x, const int8_t* w, int64_t K, floa
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
-        constexpr int64_t XR = WIDE ? 4 : 2;  // rows of x a pass: their accumulators and the widened w in registers
+        // rows of x a pass: their accumulators and the widened w in registers, their fp32 rows in L1
+        constexpr int64_t XR = WIDE ? 4 : 2;
         static thread_local vec<float> xs_;
         vec<float>& xs = xs_;
         xs.resize(M * K);
         for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
         share_rows(N, K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
-            for (int64_t n = a; n < b; n++)
-                for (int64_t m = 0; m < M;) {  // XR rows of x a pass, the last few one by one
-                    const int64_t r = M - m >= XR ? XR : 1;
-                    float o[XR];
-                    if (r == XR) dot_i8_exact<XR>(&xs[m * K], w + n * K, K, o);
-                    else dot_i8_exact<1>(&xs[m * K], w + n * K, K, o);
-                    for (int64_t j = 0; j < r; j++, m++) put(y, m * N + n, o[j] * from_bf16(scales[n]), 1);
+            if (M == 1) {  // batch-1 decode: the weights in one stream
+                for (int64_t n = a; n < b; n++) {
+                    float o;
+                    dot_i8_exact<1>(&xs[0], w + n * K, K, &o);
+                    put(y, n, o * from_bf16(scales[n]), 1);
+                }
+                return;
+            }
+            for (int64_t n0 = a; n0 < b; n0 += 8)  // 8 weight rows at a time stay in L1 for every pass of x
+                for (int64_t m = 0; m < M;) {  // XR rows of x a pass (2 of a long row), the last few one by one
+                    const int64_t r = M - m >= XR && K <= 1024 ? XR : M - m >= 2 ? 2 : 1;
+                    for (int64_t n = n0; n < b && n < n0 + 8; n++) {
+                        float o[XR];
+                        if (r == XR) dot_i8_exact<XR>(&xs[m * K], w + n * K, K, o);
+                        else if (r == 2) dot_i8_exact<2>(&xs[m * K], w + n * K, K, o);
+                        else dot_i8_exact<1>(&xs[m * K], w + n * K, K, o);
+                        for (int64_t j = 0; j < r; j++) put(y, (m + j) * N + n, o[j] * from_bf16(scales[n]), 1);
+                    }
+                    m += r;
                 }
         });
         return;
@@ -429,11 +445,6 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
         prepare(x + m * K, K, 32, 0, xq[m]);
         shift[m] = 0.f;
         for (int64_t b = 0; FLIP && b < K / 32; b++) shift[m] += FLIP * xq[m].c[b];
-        if (WIDE) {
-            xq[m].d2.resize(K / 64 * 16);
-            for (int64_t s = 0; s < K / 64; s++)
-                for (int l = 0; l < 16; l++) xq[m].d2[16 * s + l] = xq[m].d[2 * s + l / 8];
-        }
     }
     // Each weight row is read from memory once, 8 rows' sums reduced together. Several rows of x (a batch, a verify
     // pass) go over the 8 rows while they are in cache, in tiles of TW weight rows by TR rows of x, each summed
@@ -449,11 +460,14 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
                 const XQ* xr[TR];
                 for (int64_t j = 0; j < TR; j++) xr[j] = &xq[m + j < M ? m + j : m];
                 __m256 t[TR][8], u[TR][TW];
-                for (int64_t i = 0; i < 8; i += TW) {
-                    if (r == TR) dot_i8<TW, TR>(xr, wr + i, K, u); else dot_i8<TW, 1>(xr, wr + i, K, u);
-                    for (int64_t j = 0; j < r; j++)
-                        for (int64_t c = 0; c < TW; c++) t[j][i + c] = u[j][c];
-                }
+                if (r == TR)
+                    for (int64_t i = 0; i < 8; i += TW) {
+                        dot_i8<TW, TR>(xr, wr + i, K, u);
+                        for (int64_t j = 0; j < TR; j++)
+                            for (int64_t c = 0; c < TW; c++) t[j][i + c] = u[j][c];
+                    }
+                else  // one weight row at a time, a single stream through memory: quicker where w is not cached
+                    for (int64_t i = 0; i < 8; i++) dot_i8<1, 1>(xr, wr + i, K, (__m256(*)[1])&t[0][i]);
                 for (int64_t j = 0; j < r; j++, m++) {
                     alignas(32) float o[8];
                     _mm256_store_ps(o, sum8x8(t[j]));
