@@ -88,68 +88,105 @@ static inline __m256i sum8x8_i32(const __m256i* a) {
 #define WIDE 0
 #endif
 #define FLIP (WIDE ? 128 : 0)
+// a tile of the int8 product (dot_i8): TW weight rows by TR rows of x, their accumulators in registers (AVX2's 16
+// hold one weight row's)
+#define TW (WIDE ? 4 : 1)
+#define TR 4
 
 // int8 w (scale per row) against x in blocks of 32; returns 8 lanes whose sum less FLIP x sum of p.c is the product.
 // AVX2: |w| times x with w's sign, as maddubs wants unsigned by signed. AVX-512 VNNI: w + 128 as unsigned (one xor),
 // so sum (w + 128) x = sum w x + 128 sum x, the last taken off once a row; 64 weights a step, its 16 int32 sums
-// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's), which is quicker
-// than gathering 8 blocks' sums into one vector first (HOW_IT_WORKS.md, "The int8 and int4 products").
-// R rows of x at once share each load of w, and each row's sums run exactly as they would alone: out[r] = dot_i8
-// of row r.
-template <int R>
-static inline void dot_i8(const XQ* const* p, const int8_t* w, int64_t K, __m256* out) {
-    __m256 total[R];
-    for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
+// converted and scaled where they lie (lanes 0-7 by the first block's d, 8-15 by the second's),
+// which is quicker than gathering 8 blocks' sums into one vector first (HOW_IT_WORKS.md, "The int8 and int4
+// products"). A tile of W weight rows by R rows of x: each load of w serves R rows of x, each load of x (and of its
+// scales) W rows of w, and every pair's sums run exactly as they would alone: out[r][j] = dot_i8 of x row r, w row j.
+template <int W, int R>
+static inline void dot_i8(const XQ* const* p, const int8_t* const* w, int64_t K, __m256 out[][W]) {
+    __m256 total[R][W];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) total[r][j] = _mm256_setzero_ps();
     int64_t k = 0;
 #if WIDE
     const __m512i flip = _mm512_set1_epi8(-128);
-    __m512 wacc[R];
-    for (int r = 0; r < R; r++) wacc[r] = _mm512_setzero_ps();
+    __m512 wacc[R][W];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) wacc[r][j] = _mm512_setzero_ps();
     for (; k + 256 <= K; k += 256) {
         __m512 d[R];
         for (int r = 0; r < R; r++) d[r] = _mm512_castps256_ps512(_mm256_loadu_ps(&p[r]->d[k / 32]));
         for (int i = 0; i < 4; i++) {
-            ahead(w + k + 64 * i);
-            __m512i v = _mm512_xor_si512(_mm512_loadu_si512(w + k + 64 * i), flip);
+            __m512i v[W];
+            for (int j = 0; j < W; j++) {
+                ahead(w[j] + k + 64 * i);
+                v[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k + 64 * i), flip);
+            }
             const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 1);
             for (int r = 0; r < R; r++) {
-                __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(&p[r]->q[k + 64 * i]));
-                wacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, d[r]), wacc[r]);
+                const __m512i xq = _mm512_loadu_si512(&p[r]->q[k + 64 * i]);
+                const __m512 ds = _mm512_permutexvar_ps(pick, d[r]);  // the step's two blocks' scales, 8 lanes each
+                for (int j = 0; j < W; j++) {
+                    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[j], xq);
+                    wacc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), ds, wacc[r][j]);
+                }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        total[r] = _mm256_add_ps(_mm512_castps512_ps256(wacc[r]),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc[r]), 1)));
-    if (k < K)  // the last blocks, fewer than 8 (d is 0 past the last)
+        for (int j = 0; j < W; j++)
+            total[r][j] = _mm256_add_ps(_mm512_castps512_ps256(wacc[r][j]),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc[r][j]), 1)));
+    if (K - k == 64) {  // the last 2 blocks (SmolLM2's 576): one step, its two halves' sums into lanes 0 and 1
+        __m512i v[W];
+        for (int j = 0; j < W; j++) v[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
         for (int r = 0; r < R; r++) {
-            __m256i acc[8];
-            for (int i = 0; i < 8; i++) {
-                acc[i] = _mm256_setzero_si256();
-                if (k + 32 * i >= K) continue;  // nothing read past the row
-                __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w + k + 32 * i)),
-                                             _mm256_set1_epi8(-128));
-                acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p[r]->q[k + 32 * i]));
+            const __m512i xq = _mm512_loadu_si512(&p[r]->q[k]);
+            const __m256 d = _mm256_loadu_ps(&p[r]->d[k / 32]);
+            for (int j = 0; j < W; j++) {
+                const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[j], xq);
+                __m256i h = _mm256_hadd_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+                h = _mm256_hadd_epi32(h, _mm256_setzero_si256());  // lanes 0, 1 and 4, 5: halves of the two sums
+                const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_zextsi128_si256(s)), d, total[r][j]);
             }
-            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p[r]->d[k / 32]),
-                                       total[r]);
         }
+    } else if (k < K)  // the last blocks, fewer than 8 (d is 0 past the last)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < W; j++) {
+                __m256i acc[8];
+                for (int i = 0; i < 8; i++) {
+                    acc[i] = _mm256_setzero_si256();
+                    if (k + 32 * i >= K) continue;  // nothing read past the row
+                    __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(w[j] + k + 32 * i)),
+                                                 _mm256_set1_epi8(-128));
+                    acc[i] = _mm256_dpbusd_epi32(acc[i], v, _mm256_loadu_si256((const __m256i*)&p[r]->q[k + 32 * i]));
+                }
+                total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), _mm256_loadu_ps(&p[r]->d[k / 32]),
+                                              total[r][j]);
+            }
 #else
     for (; k < K; k += 32) {
-        ahead(w + k, AHEAD4);
-        __m256i v = _mm256_loadu_si256((const __m256i*)(w + k)), a = _mm256_sign_epi8(v, v);
+        __m256i v[W], a[W];
+        for (int j = 0; j < W; j++) {
+            ahead(w[j] + k, AHEAD4);
+            v[j] = _mm256_loadu_si256((const __m256i*)(w[j] + k)), a[j] = _mm256_sign_epi8(v[j], v[j]);
+        }
         for (int r = 0; r < R; r++) {
-            __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)&p[r]->q[k]), v);
+            const __m256i xq = _mm256_loadu_si256((const __m256i*)&p[r]->q[k]);
+            const __m256 d = _mm256_broadcast_ss(&p[r]->d[k / 32]);
+            for (int j = 0; j < W; j++) {
+                __m256i sx = _mm256_sign_epi8(xq, v[j]);
 #ifdef __AVX512VNNI__
-            __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, sx);
+                __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a[j], sx);
 #else
-            __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1));
+                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], sx), _mm256_set1_epi16(1));
 #endif
-            total[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_broadcast_ss(&p[r]->d[k / 32]), total[r]);
+                total[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, total[r][j]);
+            }
         }
     }
 #endif
-    for (int r = 0; r < R; r++) out[r] = total[r];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) out[r][j] = total[r][j];
 }
 
 // 64 packed int4 weights (32 bytes) times 64 int8 x in even-odd order -> 8 int32 sums of 8 products each
@@ -346,31 +383,56 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
 }
 
 // the output head's int8 product (f32): x kept in fp32, each weight widened, so that logits closer than x's int8
-// rounding would move them (a small model's top two) keep their order
-static inline float dot_i8_exact(const float* x, const int8_t* w, int64_t K) {
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+// rounding would move them (a small model's top two) keep their order. R rows of x at once share each widened
+// weight, each row's sums run exactly as they would alone: out[r] = the product of row r (x + r * K).
+template <int R>
+static inline void dot_i8_exact(const float* x, const int8_t* w, int64_t K, float* out) {
+    __m256 a[R][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         if (k % 64 == 0) ahead(w + k);  // as the other products do
-        for (int c = 0; c < 4; c++) {
-            __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * c))));
-            a[c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + k + 8 * c), a[c]);
-        }
+        __m256 v[4];
+        for (int c = 0; c < 4; c++)
+            v[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + k + 8 * c))));
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) a[r][c] = _mm256_fmadd_ps(v[c], _mm256_loadu_ps(x + r * K + k + 8 * c), a[r][c]);
     }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    for (int r = 0; r < R; r++)
+        out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
 }
 
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
+        // rows of x a pass: their accumulators and the widened w in registers, their fp32 rows in L1
+        constexpr int64_t XR = WIDE ? 4 : 2;
         static thread_local vec<float> xs_;
         vec<float>& xs = xs_;
         xs.resize(M * K);
         for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
         share_rows(N, K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
-            for (int64_t n = a; n < b; n++)
-                for (int64_t m = 0; m < M; m++)
-                    put(y, m * N + n, dot_i8_exact(&xs[m * K], w + n * K, K) * from_bf16(scales[n]), 1);
+            if (M == 1) {  // batch-1 decode: the weights in one stream
+                for (int64_t n = a; n < b; n++) {
+                    float o;
+                    dot_i8_exact<1>(&xs[0], w + n * K, K, &o);
+                    put(y, n, o * from_bf16(scales[n]), 1);
+                }
+                return;
+            }
+            for (int64_t n0 = a; n0 < b; n0 += 8)  // 8 weight rows at a time stay in L1 for every pass of x
+                for (int64_t m = 0; m < M;) {  // XR rows of x a pass (2 of a long row), the last few one by one
+                    const int64_t r = M - m >= XR && K <= 1024 ? XR : M - m >= 2 ? 2 : 1;
+                    for (int64_t n = n0; n < b && n < n0 + 8; n++) {
+                        float o[XR];
+                        if (r == XR) dot_i8_exact<XR>(&xs[m * K], w + n * K, K, o);
+                        else if (r == 2) dot_i8_exact<2>(&xs[m * K], w + n * K, K, o);
+                        else dot_i8_exact<1>(&xs[m * K], w + n * K, K, o);
+                        for (int64_t j = 0; j < r; j++) put(y, (m + j) * N + n, o[j] * from_bf16(scales[n]), 1);
+                    }
+                    m += r;
+                }
         });
         return;
     }
@@ -384,22 +446,28 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
         shift[m] = 0.f;
         for (int64_t b = 0; FLIP && b < K / 32; b++) shift[m] += FLIP * xq[m].c[b];
     }
-    // Each weight row is read from memory once, 8 rows' sums reduced together. Several rows of x (a verify pass) go
-    // over the 8 rows while they are in cache, each summed exactly as it would be alone: a row's result does not
-    // depend on the rows beside it, so verifying a token computes what decoding it does.
+    // Each weight row is read from memory once, 8 rows' sums reduced together. Several rows of x (a batch, a verify
+    // pass) go over the 8 rows while they are in cache, in tiles of TW weight rows by TR rows of x, each summed
+    // exactly as it would be alone: a row's result does not depend on the rows beside it, so verifying a token
+    // computes what decoding it does.
     share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
         for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
             const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            const int8_t* wr[8];
+            for (int64_t i = 0; i < 8; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;  // past N: row n0 again
             for (int64_t m = 0; m < M;) {
-                const XQ* xr[4] = {&xq[m], &xq[m + 1 < M ? m + 1 : m], &xq[m + 2 < M ? m + 2 : m],
-                                   &xq[m + 3 < M ? m + 3 : m]};
-                const int64_t r = M - m >= 4 ? 4 : 1;  // 4 rows of x a pass, the last few one by one
-                __m256 t[4][8], u[4];
-                for (int64_t i = 0; i < 8; i++) {
-                    const int8_t* wi = w + (n0 + (i < rows ? i : 0)) * K;
-                    if (r == 4) dot_i8<4>(xr, wi, K, u); else dot_i8<1>(xr, wi, K, u);
-                    for (int64_t j = 0; j < r; j++) t[j][i] = u[j];
-                }
+                const int64_t r = M - m >= TR ? TR : 1;  // TR rows of x a pass, the last few one by one
+                const XQ* xr[TR];
+                for (int64_t j = 0; j < TR; j++) xr[j] = &xq[m + j < M ? m + j : m];
+                __m256 t[TR][8], u[TR][TW];
+                if (r == TR)
+                    for (int64_t i = 0; i < 8; i += TW) {
+                        dot_i8<TW, TR>(xr, wr + i, K, u);
+                        for (int64_t j = 0; j < TR; j++)
+                            for (int64_t c = 0; c < TW; c++) t[j][i + c] = u[j][c];
+                    }
+                else  // one weight row at a time, a single stream through memory: quicker where w is not cached
+                    for (int64_t i = 0; i < 8; i++) dot_i8<1, 1>(xr, wr + i, K, (__m256(*)[1])&t[0][i]);
                 for (int64_t j = 0; j < r; j++, m++) {
                     alignas(32) float o[8];
                     _mm256_store_ps(o, sum8x8(t[j]));
