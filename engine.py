@@ -238,12 +238,13 @@ class Engine:
         for r, n in work:
             r.computed += n
             self.register(r)
-        done = []
-        for r, row in logits.items():
-            if r.computed == len(r.tokens):  # its whole text is in the cache: its next token is due
-                self.emit(r, row)
-                done.append(r)
-        return done
+        due = [r for r in logits if r.computed == len(r.tokens)]  # its whole text is in the cache: a token is due
+        if due:  # every row's check and greedy pick in one op each, read back once
+            rows = torch.stack([logits[r] for r in due])  # [N, V]
+            finite, greedy = torch.isfinite(rows.sum(-1)).tolist(), rows.argmax(-1).tolist()
+            for i, r in enumerate(due):
+                self.emit(r, rows[i], greedy[i] if finite[i] else None)
+        return due
 
     def forward(self, rows: list[Request], chunks: list[list[int]], last: bool):
         """One forward pass over rows that each add their chunk (equal lengths) after their computed tokens."""
@@ -269,9 +270,10 @@ class Engine:
             if self.computing.get(r.hashes[-1]) is r:
                 del self.computing[r.hashes[-1]]
 
-    def emit(self, r: Request, logits):  # logits [V]
-        """Sample r's next token and decide whether r is done."""
-        if not bool(torch.isfinite(logits).all()):
+    def emit(self, r: Request, logits, greedy: Optional[int]):  # logits [V]
+        """Sample r's next token (greedy: the argmax already known, None where the logits are not finite) and
+        decide whether r is done."""
+        if greedy is None:
             return self.finish(r, "error", "the model's logits became NaN or infinite: the weights or the dtype "
                                            "overflow; try the float32 dtype")
         if r.matcher is not None:
@@ -280,7 +282,7 @@ class Engine:
             r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
             logits = logits.masked_fill(~guided.allowed_tokens(bits.to(logits.device), logits.size(-1))[0],
                                         -float("inf"))
-        token = self.sample(r, logits)
+        token = greedy if r.temperature == 0 and r.matcher is None else self.sample(r, logits)
         r.times.setdefault("first", time.perf_counter())
         if r.matcher is not None and not r.matcher.consume_token(token):
             return self.finish(r, "error", f"the grammar rejected token {token}: {r.matcher.get_error()}")

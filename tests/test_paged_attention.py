@@ -7,19 +7,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cpu_gemv
 from model import kv_bucket
+from test_batch_invariance import TARGETS, kernels  # noqa: F401 (a fixture: every kernel set this CPU runs)
 
-TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
 needs_kernels = pytest.mark.skipif(not TARGETS or cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
-
-
-@pytest.fixture(params=TARGETS)
-def kernels(request):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, 2))  # the kernels split work among threads: two at least, as decode runs
-    assert cpu_gemv.load(request.param) == request.param
-    yield request.param
-    cpu_gemv.load()
-    torch.set_num_threads(threads)
 
 
 def paged(lengths: list[int], H: int, Hkv: int, S: int, D: int, block_size: int = 16, dtype=torch.bfloat16,
