@@ -24,6 +24,18 @@ def attend_paged_kernel(model) -> Optional[Callable]:
     return cpu_gemv.attend_paged if model.layers[0].attention.sdpa is cpu_gemv.sdpa else None
 
 
+def paged_step(model, cache: PagedCache):
+    """The C++ decode step (cpu_step.py) over cache's pools: the decoding rows' whole forward pass in one call, no
+    Python between the layers; None where it cannot run model exactly (the model's forward over the pool then)."""
+    if cache.attend is None or model.args.sliding_window or cache.k[0].dtype != torch.bfloat16:
+        return None
+    import cpu_step
+    step = cpu_step.step_for(model)
+    if step is not None:
+        step.cpp.set_pools(cache.k, cache.v)
+    return step
+
+
 @dataclass(eq=False)
 class Request:
     """One prompt and how to continue it; the engine fills in the rest. grammar: llguidance's text (from
@@ -75,6 +87,8 @@ class Engine:
         blocks = blocks or max_rows * -(-self.context // block_size) // 2
         self.pool = BlockPool(blocks, block_size)
         self.cache = PagedCache(model, self.pool, kv_dtype, attend_paged_kernel(model))
+        self.cpp = paged_step(model, self.cache)
+        self.logits = torch.empty(max_rows, model.args.vocab_size) if self.cpp is not None else None
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None
@@ -223,14 +237,16 @@ class Engine:
         self.stats["steps"] += 1
         decode = [r for r, n in work if n == 1 and self.decoding(r)]
         chunks = [(r, n) for r, n in work if not (n == 1 and self.decoding(r))]
-        logits, t0 = {}, time.perf_counter()
+        parts, t0 = [], time.perf_counter()  # the logits [N, V] of the rows that get a token, in `due`'s order
         if decode:
-            out = self.forward(decode, [r.tokens[-1:] for r in decode], last=False)  # [B, 1, V]
-            logits.update((r, out[i, -1]) for i, r in enumerate(decode))
+            parts.append(self.decode(decode))  # [B, V]
         t1 = time.perf_counter()
+        due = list(decode)
         for r, n in chunks:
-            out = self.forward([r], [r.tokens[r.computed : r.computed + n]], last=True)  # [1, 1, V]
-            logits[r] = out[0, -1]
+            out = self.prefill(r, r.tokens[r.computed : r.computed + n])  # [1, V]
+            if r.computed + n == len(r.tokens):  # its whole text is in the cache: a token is due
+                due.append(r)
+                parts.append(out)
         t2 = time.perf_counter()  # (the forward passes queue work on a GPU: there the split is rough)
         self.stats["decode_s"] += t1 - t0
         self.stats["prefill_s"] += t2 - t1
@@ -238,13 +254,34 @@ class Engine:
         for r, n in work:
             r.computed += n
             self.register(r)
-        due = [r for r in logits if r.computed == len(r.tokens)]  # its whole text is in the cache: a token is due
         if due:  # every row's check and greedy pick in one op each, read back once
-            rows = torch.stack([logits[r] for r in due])  # [N, V]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, V]
             finite, greedy = torch.isfinite(rows.sum(-1)).tolist(), rows.argmax(-1).tolist()
             for i, r in enumerate(due):
                 self.emit(r, rows[i], greedy[i] if finite[i] else None)
         return due
+
+    def decode(self, rows: list[Request]):  # -> [B, V]
+        """The next token's logits of rows that each add their last token: in one C++ call where it runs the model."""
+        if self.cpp is None:
+            return self.forward(rows, [r.tokens[-1:] for r in rows], last=False)[:, -1]
+        width = max(len(r.blocks) for r in rows)
+        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows])  # [B, W]
+        tokens, pos = torch.tensor([[r.tokens[-1]] for r in rows]), torch.tensor([[r.computed] for r in rows])  # [B, 1]
+        self.cpp.cpp.paged(tokens, pos, table, self.logits)
+        return self.logits[: len(rows)]
+
+    def prefill(self, r: Request, chunk: list[int]):  # -> [1, V]
+        """The logits after a chunk of r's prompt, whose K and V it writes: in C++ pieces of 32 tokens where the step
+        runs the model (each token then computed as alone, however the prompt is cut), else model.py's forward."""
+        if self.cpp is None:
+            return self.forward([r], [chunk], last=True)[:, -1]
+        table, logits = torch.tensor([r.blocks]), torch.empty(1, self.logits.size(1))  # [1, W], [1, V]
+        for i in range(0, len(chunk), 32):
+            piece = chunk[i : i + 32]
+            pos = torch.arange(r.computed + i, r.computed + i + len(piece))[None]  # [1, S]
+            self.cpp.cpp.paged(torch.tensor([piece]), pos, table, logits)
+        return logits
 
     def forward(self, rows: list[Request], chunks: list[list[int]], last: bool):
         """One forward pass over rows that each add their chunk (equal lengths) after their computed tokens."""

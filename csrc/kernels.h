@@ -80,6 +80,13 @@ void decode_step(const Model& m, int64_t token, int64_t pos, float* logits);
 void forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
                   const uint8_t* mask, float* logits);
 
+// logits [B, vocab] float32 after B sequences' next S tokens each, tokens and pos [B, S], over a paged cache: layer
+// i's K and V in k_pools[i] and v_pools[i] [n_blocks, Hkv, bs, D] bf16, sequence b's blocks in row b of table [B, W];
+// each row as decode_step computes it alone over a static cache of m.slots positions (bs: as attend_paged takes it)
+void forward_paged(const Model& m, uint16_t* const* k_pools, uint16_t* const* v_pools, int64_t bs,
+                   const int64_t* tokens, const int64_t* pos, const int64_t* table, int64_t B, int64_t S, int64_t W,
+                   float* logits);
+
 // the greedy token of logits [V]: the first index of the largest, or -1 where one is not finite
 int64_t greedy(const float* logits, int64_t V);
 
@@ -101,6 +108,7 @@ struct KernelSet {
     decltype(&fast_decode::attend_paged) attend_paged;
     decltype(&fast_decode::decode_step) decode_step;
     decltype(&fast_decode::forward_rows) forward_rows;
+    decltype(&fast_decode::forward_paged) forward_paged;
     decltype(&fast_decode::greedy) greedy;
     decltype(&fast_decode::decode_greedy) decode_greedy;
 };

@@ -209,7 +209,55 @@ struct Step : torch::CustomClassHolder {
         const int64_t M = tokens.numel();
         TORCH_CHECK(pos.numel() == M && mask.dim() == 2 && mask.size(0) == M && mask.size(1) == base + M &&
                     mask.is_contiguous() && logits.size(0) >= M && base + M <= m.slots, "Step.rows: shapes");
+        TORCH_CHECK(m.layers[0].w13.k == m.layers[0].qkv.k, "Step.rows: w13 and qkv take inputs of one length");
         k.forward_rows(m, ptr<int64_t>(tokens), ptr<int64_t>(pos), M, base, ptr<uint8_t>(mask), ptr<float>(logits));
+    }
+
+    // the engine's paged cache: layer i's pools k[i] and v[i] [n_blocks, Hkv, block_size, D] bf16, for paged()
+    std::vector<uint16_t*> kp, vp;
+    int64_t n_blocks = 0, bs = 0;
+    void set_pools(const std::vector<Tensor>& k, const std::vector<Tensor>& v) {
+        TORCH_CHECK((int64_t)k.size() == m.n_layer && v.size() == k.size(), "Step.set_pools: a pool a layer");
+        kp.clear(), vp.clear();
+        for (size_t i = 0; i < k.size(); i++) {
+            TORCH_CHECK(k[i].dim() == 4 && k[i].sizes() == k[0].sizes() && v[i].sizes() == k[0].sizes() &&
+                        k[i].size(1) == m.n_kv_head && k[i].size(3) == m.head_dim && k[i].is_contiguous() &&
+                        v[i].is_contiguous() && k[i].scalar_type() == at::kBFloat16 &&
+                        v[i].scalar_type() == at::kBFloat16, "Step.set_pools: pools must be contiguous bf16 ",
+                        "[n_blocks, ", m.n_kv_head, ", block_size, ", m.head_dim, "], got ", k[i].sizes());
+            kp.push_back(ptr<uint16_t>(k[i])), vp.push_back(ptr<uint16_t>(v[i]));
+        }
+        n_blocks = k[0].size(0), bs = k[0].size(2);
+        TORCH_CHECK(bs >= 16 && bs % 16 == 0, "Step.set_pools: block_size must be a multiple of 16, got ", bs);
+    }
+
+    // logits [B, vocab] float32 after tokens [B, S] int64 at positions pos [B, S] int64 (consecutive in a row), each
+    // row's blocks in its row of table [B, W] int64, over the pools (set_pools): the engine's step, each row as step
+    // computes it alone. At most 32 rows a call: the products' batch-invariant size.
+    void paged(const Tensor& tokens, const Tensor& pos, const Tensor& table, const Tensor& logits) {
+        TORCH_CHECK(!kp.empty() && m.window == 0, "Step.paged: no pools set, or a sliding window");
+        TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && table.dim() == 2 &&
+                    table.size(0) == tokens.size(0) && tokens.size(1) <= 32 && tokens.is_contiguous() &&
+                    pos.is_contiguous() && table.is_contiguous() && logits.is_contiguous() &&
+                    logits.size(0) >= tokens.size(0) && logits.size(1) == m.out.n &&
+                    logits.scalar_type() == at::kFloat, "Step.paged: shapes");
+        TORCH_CHECK(m.layers[0].w13.k == m.layers[0].qkv.k, "Step.paged: w13 and qkv take inputs of one length");
+        const int64_t B = tokens.size(0), S = tokens.size(1), W = table.size(1), *t = ptr<int64_t>(table);
+        const int64_t *p = ptr<int64_t>(pos), *tok = ptr<int64_t>(tokens);
+        for (int64_t b = 0; b < B; b++)  // what the step reads and writes through: checked first
+            for (int64_t s = 0; s < S; s++) {
+                const int64_t x = p[b * S + s], token = tok[b * S + s];
+                TORCH_CHECK(token >= 0 && token < m.out.n && x >= 0 && x < m.slots - 1 && x < W * bs &&
+                            (s == 0 || x == p[b * S + s - 1] + 1), "Step.paged: row ", b, " has token ", token,
+                            " at position ", x);
+                for (int64_t i = 0; i <= x / bs; i++)
+                    TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < n_blocks, "Step.paged: row ", b, "'s block ", i,
+                                " is ", t[b * W + i], ", outside the pool");
+            }
+        const int64_t rows = 32 / S;  // sequences a call
+        for (int64_t b = 0; b < B; b += rows)
+            k.forward_paged(m, kp.data(), vp.data(), bs, tok + b * S, p + b * S, t + b * W, B - b < rows ? B - b : rows,
+                            S, W, ptr<float>(logits) + b * m.out.n);
     }
 
     // the greedy token of logits [1, vocab]: the first largest, or -1 where one is not finite
@@ -246,6 +294,8 @@ TORCH_LIBRARY(fast_decode, m) {
         .def("add_layer", &Step::add_layer)
         .def("step", &Step::step)
         .def("rows", &Step::rows)
+        .def("set_pools", &Step::set_pools)
+        .def("paged", &Step::paged)
         .def("greedy", &Step::greedy)
         .def("step_greedy", &Step::step_greedy)
         .def("greedy_loop", &Step::greedy_loop);

@@ -134,33 +134,40 @@ void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float*
     product(m.out, xn.data(), logits, 1);
 }
 
-// rows of x (stride apart) through l into y (ystride apart): one product of all rows where x and y are packed, else
-// a product a row; either way each row comes out as the one-row step computes it (the products of up to 32 rows
-// read the weights once for all rows and sum every row as one row alone)
-static void products(const Linear& l, const uint16_t* x, int64_t stride, int64_t M, void* y, int64_t ystride,
-                     int64_t f32 = 0) {
-    if (stride == l.k && ystride == l.n) return product(l, x, y, f32, M);
-    for (int64_t i = 0; i < M; i++) product(l, x + i * stride, (char*)y + i * ystride * (f32 ? 4 : 2), f32);
+// the rest of a layer for M rows x [M, dim] after their attention att [M, o.k]: the output product and its residual,
+// then the feed-forward block and its residual (xn [M, kx], y, gu and act [M, kh]: scratch)
+static void layer_rest(const Model& m, const Layer& l, int64_t M, const uint16_t* att, uint16_t* x, uint16_t* xn,
+                       int64_t kx, uint16_t* y, uint16_t* gu, uint16_t* act, int64_t kh) {
+    product(l.o, att, y, 0, M);
+    for (int64_t i = 0; i < M; i++) {
+        add(x + i * m.dim, y + i * m.dim, m.dim);
+        rmsnorm(x + i * m.dim, l.ffn_norm, xn + i * kx, m.dim, m.eps);
+    }
+    product(l.w13, xn, gu, 0, M);
+    for (int64_t i = 0; i < M; i++) silu_mul(gu + i * 2 * m.hidden, act + i * kh, m.hidden);
+    product(l.w2, act, y, 0, M);
+    for (int64_t i = 0; i < M; i++) add(x + i * m.dim, y + i * m.dim, m.dim);
 }
 
 // logits [M, vocab] float32 of tokens [M] at cache slots base .. base + M - 1, RoPE positions pos [M] (a token
-// tree's depths, or the slots), each attending to the slots its row of mask [M, base + M] holds: a verify pass, each
-// row computing what decode_step computes for it alone (the kernels are batch-invariant). No sliding window.
+// tree's depths, or the slots), each attending to the slots its row of mask [M, base + M] holds: a verify pass, or a
+// piece of a prompt, each row computing what decode_step computes for it alone (the products of up to 32 rows read
+// the weights once for all rows and sum every row as one row alone). No sliding window.
 void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
                                const uint8_t* mask, float* logits) {
     const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D, L = base + M;
-    int64_t cap = m.out.k;
-    for (const Linear* l : {&m.layers[0].qkv, &m.layers[0].o, &m.layers[0].w13, &m.layers[0].w2})
-        cap = l->k > cap ? l->k : cap;
-    static thread_local vec<uint16_t> x, xn, qkv, q, att, ho, y, gu, act;
-    for (vec<uint16_t>* v : {&xn, &att, &act}) v->assign(M * cap, 0);
+    const Layer& l0 = m.layers[0];
+    // each product's input rows as long as its stored k (int4 pads with zeros), so that one call takes all rows
+    const int64_t kx = l0.qkv.k, ka = l0.o.k, kh = l0.w2.k, ko = m.out.k;
+    static thread_local vec<uint16_t> x, xn, qkv, q, att, ho, y, gu, act, xo;
+    xn.assign(M * kx, 0), att.assign(M * ka, 0), act.assign(M * kh, 0), xo.assign(M * ko, 0);
     x.resize(M * m.dim), qkv.resize(M * (qn + 2 * kvn)), q.resize(M * qn), ho.resize(M * qn), y.resize(M * m.dim);
     gu.resize(M * 2 * m.hidden);
     for (int64_t i = 0; i < M; i++) memcpy(&x[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
     for (int64_t li = 0; li < m.n_layer; li++) {
         const Layer& l = m.layers[li];
-        for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], l.attn_norm, &xn[i * cap], m.dim, m.eps);
-        products(l.qkv, xn.data(), cap, M, qkv.data(), qn + 2 * kvn);
+        for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], l.attn_norm, &xn[i * kx], m.dim, m.eps);
+        product(l.qkv, xn.data(), qkv.data(), 0, M);
         for (int64_t i = 0; i < M; i++) {  // bias, RoPE and the cache write a row; q to [H, M, D] for attend
             uint16_t *qi = &qkv[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
             if (l.bqkv) add(qi, l.bqkv, qn + 2 * kvn);
@@ -177,19 +184,57 @@ void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int6
                         Hkv * m.slots * D, m.slots * D, Hkv * m.slots, m.slots, Hkv * m.slots * m.vb, m.slots * m.vb,
                         0);
         for (int64_t i = 0; i < M; i++)  // [H, M, D] back to rows
-            for (int64_t h = 0; h < H; h++) memcpy(&att[i * cap + h * D], &ho[(h * M + i) * D], 2 * D);
-        products(l.o, att.data(), cap, M, y.data(), m.dim);
-        for (int64_t i = 0; i < M; i++) {
-            add(&x[i * m.dim], &y[i * m.dim], m.dim);
-            rmsnorm(&x[i * m.dim], l.ffn_norm, &xn[i * cap], m.dim, m.eps);
-        }
-        products(l.w13, xn.data(), cap, M, gu.data(), 2 * m.hidden);
-        for (int64_t i = 0; i < M; i++) silu_mul(&gu[i * 2 * m.hidden], &act[i * cap], m.hidden);
-        products(l.w2, act.data(), cap, M, y.data(), m.dim);
-        for (int64_t i = 0; i < M; i++) add(&x[i * m.dim], &y[i * m.dim], m.dim);
+            for (int64_t h = 0; h < H; h++) memcpy(&att[i * ka + h * D], &ho[(h * M + i) * D], 2 * D);
+        layer_rest(m, l, M, att.data(), x.data(), xn.data(), kx, y.data(), gu.data(), act.data(), kh);
     }
-    for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], m.norm, &xn[i * cap], m.dim, m.eps);
-    products(m.out, xn.data(), cap, M, logits, m.out.n, 1);
+    for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], m.norm, &xo[i * ko], m.dim, m.eps);
+    product(m.out, xo.data(), logits, 1, M);
+}
+
+// logits [B, vocab] float32 after B sequences' next S tokens each: tokens and pos [B, S] (positions consecutive
+// within a row), sequence b's K and V in the blocks its row of table [B, W] names, of layer i's pools k_pools[i]
+// and v_pools[i] [n_blocks, Hkv, bs, D] bf16; the new tokens' K and V are written there. The engine's step (S 1:
+// decoding rows; B 1: a piece of a prompt): every weight read once for all B x S rows, each row as decode_step
+// computes it alone over a static cache of m.slots positions (the products of up to 32 rows and attend_paged are
+// batch-invariant), so however a prompt is cut into pieces, each token's K, V and logits are the same. No sliding
+// window.
+void fast_decode::forward_paged(const Model& m, uint16_t* const* k_pools, uint16_t* const* v_pools, int64_t bs,
+                                const int64_t* tokens, const int64_t* pos, const int64_t* table, int64_t B,
+                                int64_t S, int64_t W, float* logits) {
+    const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D, M = B * S;
+    const Layer& l0 = m.layers[0];
+    // each product's input rows as long as its stored k (int4 pads with zeros), so that one call takes all rows
+    const int64_t kx = l0.qkv.k, ka = l0.o.k, kh = l0.w2.k, ko = m.out.k;
+    static thread_local vec<uint16_t> x, xn, qkv, q, ho, att, y, gu, act, xo;
+    xn.assign(M * kx, 0), att.assign(M * ka, 0), act.assign(M * kh, 0), xo.assign(B * ko, 0);
+    x.resize(M * m.dim), qkv.resize(M * (qn + 2 * kvn)), q.resize(M * qn), ho.resize(M * qn);
+    y.resize(M * m.dim), gu.resize(M * 2 * m.hidden);
+    for (int64_t i = 0; i < M; i++) memcpy(&x[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
+    for (int64_t li = 0; li < m.n_layer; li++) {
+        const Layer& l = m.layers[li];
+        for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], l.attn_norm, &xn[i * kx], m.dim, m.eps);
+        product(l.qkv, xn.data(), qkv.data(), 0, M);
+        for (int64_t i = 0; i < M; i++) {  // bias, RoPE, q to [B, H, S, D], K and V into the row's block
+            uint16_t *qi = &qkv[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
+            const int64_t b = i / S, s = i % S, block = table[b * W + pos[i] / bs], off = pos[i] % bs;
+            if (l.bqkv) add(qi, l.bqkv, qn + 2 * kvn);
+            rope(qi, m.freqs + pos[i] * D, H, D);
+            rope(k, m.freqs + pos[i] * D, Hkv, D);
+            for (int64_t h = 0; h < H; h++) memcpy(&q[((b * H + h) * S + s) * D], qi + h * D, 2 * D);
+            for (int64_t h = 0; h < Hkv; h++) {
+                const int64_t at = ((block * Hkv + h) * bs + off) * D;
+                memcpy(k_pools[li] + at, k + h * D, 2 * D);
+                memcpy(v_pools[li] + at, v + h * D, 2 * D);
+            }
+        }
+        attend_paged(q.data(), k_pools[li], v_pools[li], table, pos, ho.data(), B, H, Hkv, S, D, W, bs, m.slots);
+        for (int64_t i = 0; i < M; i++)  // [B, H, S, D] back to rows
+            for (int64_t h = 0; h < H; h++)
+                memcpy(&att[i * ka + h * D], &ho[((i / S * H + h) * S + i % S) * D], 2 * D);
+        layer_rest(m, l, M, att.data(), x.data(), xn.data(), kx, y.data(), gu.data(), act.data(), kh);
+    }
+    for (int64_t b = 0; b < B; b++) rmsnorm(&x[(b * S + S - 1) * m.dim], m.norm, &xo[b * ko], m.dim, m.eps);
+    product(m.out, xo.data(), logits, 1, B);
 }
 
 // the greedy token of logits [V]: the first index of the largest (torch.argmax's), or -1 where one is not finite

@@ -7,7 +7,7 @@ import torch
 import cpu_gemv
 
 from engine import Engine, Request
-from generate import generate
+from generate import build_steps, generate
 from model import ModelArgs, Transformer
 from test_batch_invariance import kernels  # noqa: F401 (a fixture: every kernel set this CPU runs)
 
@@ -22,8 +22,10 @@ def tiny(seed=0, **overrides) -> Transformer:
     return model
 
 
-def alone(model, prompt, n) -> list[int]:
-    return generate(model, [prompt], n, temperature=0).rows[0]
+def alone(model, prompt, n, compiled: bool = False) -> list[int]:
+    """generate()'s greedy tokens for the prompt by itself (compiled: with the decode step generate.py --compile
+    takes, on the CPU kernels the C++ step)."""
+    return generate(model, [prompt], n, temperature=0, steps=build_steps(compiled)).rows[0]
 
 
 def prompts(seed: int, count: int, lo: int = 1, hi: int = 80) -> list[list[int]]:
@@ -136,19 +138,20 @@ def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expec
     assert done[1].out == want[1][:3] and done[1].finish_reason == "length"
 
 
-# bfloat16 on the CPU kernels: a decoding row's products and attention do not depend on the rows beside it
-# (test_batch_invariance.py), and each row's blocks are laid out for the attention as a lone sequence's cache is,
-# so the batched output is the lone one's token for token. Prefill chunks, prefix hits and recomputation after a
-# preemption compute a prompt's K and V in products of other sizes than a lone prefill, which rounds otherwise in
-# bf16: those are pinned in float32 above.
+# bfloat16 on the CPU kernels: the engine's rows run the C++ step (cpu_step.py) over the pool, decoding rows together
+# and prompts in pieces of up to 32 positions, whose products and attention do not depend on the rows beside them
+# (test_batch_invariance.py); the lone compiled run (generate.py --compile) prefills in such pieces too. So each
+# request's output is the lone one's token for token, however its prompt was cut into chunks, shared or recomputed.
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights):
     from test_batch_invariance import bf16_model
     model = bf16_model(32, weights=weights, kv_heads=8)  # 8 KV heads: a lone 1024-slot cache splits in 768s
     ps = prompts(7, 8, 20, 400)
-    want = [alone(model, p, 24) for p in ps]
     rng, engine, live = random.Random(0), Engine(model, blocks=200, max_rows=8), []
-    assert engine.cache.attend is cpu_gemv.attend_paged  # decode attention straight over the pool
+    # decode steps as one C++ call over the pool, as the compiled batch-1 step is; where that step cannot run the
+    # model (int4 here: its hidden size is no multiple of 64), both run model.py's forward
+    assert (engine.cpp is not None) == (weights != "int4") and engine.cache.attend is cpu_gemv.attend_paged
+    want = [alone(model, p, 24, compiled=engine.cpp is not None) for p in ps]
     for p in ps:
         live.append(engine.add(Request(p, max_new_tokens=24)))
         for _ in range(rng.randint(0, 3)):
@@ -156,6 +159,36 @@ def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights
     while engine.has_work():
         engine.step()
     assert [r.out for r in live] == want and pool_is_whole(engine)
+
+
+@pytest.fixture(scope="module", params=["bf16", "int8"])
+def bf16_on_kernels(request):
+    from test_batch_invariance import bf16_model
+    return bf16_model(32, weights=request.param, kv_heads=8)
+
+
+def test_bf16_prompts_prefilled_in_chunks_of_any_size_match_each_run_alone(bf16_on_kernels):
+    ps = prompts(8, 4, 90, 200)
+    engine = Engine(bf16_on_kernels, blocks=100, max_rows=4, budget=23)  # chunks cut off the 32-position pieces
+    done = engine.run([Request(p, max_new_tokens=12) for p in ps])
+    assert [r.out for r in done] == [alone(bf16_on_kernels, p, 12, compiled=True) for p in ps]
+    assert engine.stats["steps"] >= sum(map(len, ps)) // 23 and pool_is_whole(engine)
+
+
+def test_bf16_prompts_sharing_cached_blocks_match_each_run_alone(bf16_on_kernels):
+    system, questions = prompts(9, 1, 300, 300)[0], prompts(10, 5, 5, 40)
+    engine = Engine(bf16_on_kernels, blocks=200, max_rows=8)
+    done = engine.run([Request(system + q, max_new_tokens=12) for q in questions])
+    assert all(r.cached_tokens == 288 for r in done[1:])  # 18 blocks: a piece of 32 cut at 16
+    assert [r.out for r in done] == [alone(bf16_on_kernels, system + q, 12, compiled=True) for q in questions]
+
+
+def test_bf16_requests_preempted_and_recomputed_match_each_run_alone(bf16_on_kernels):
+    ps = prompts(11, 8, 20, 100)
+    engine = Engine(bf16_on_kernels, blocks=16, max_rows=8)  # far less than 8 requests need at once
+    done = engine.run([Request(p, max_new_tokens=30) for p in ps])
+    assert engine.stats["preempted"] > 0 and pool_is_whole(engine)
+    assert [r.out for r in done] == [alone(bf16_on_kernels, p, 30, compiled=True) for p in ps]
 
 
 def test_batch_py_answers_every_line_of_a_file_as_json_lines(tmp_path):
