@@ -47,7 +47,7 @@ print(json.dumps(tests))
 def fake_llama_cpp(folder: Path) -> Path:
     folder.mkdir()
     (folder / "llama-bench").write_text(FAKE_BENCH)
-    (folder / "llama-quantize").write_text("#!/bin/sh\ncp \"$2\" \"$3\"\n")  # --pure IN OUT TYPE
+    (folder / "llama-quantize").write_text("#!/bin/sh\ncp \"$3\" \"$4\"\n")  # --allow-requantize --pure IN OUT TYPE
     for tool in ("llama-bench", "llama-quantize"):
         os.chmod(folder / tool, 0o755)
     return folder
