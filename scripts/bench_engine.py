@@ -3,14 +3,19 @@ workload of --requests requests, prompt and output lengths drawn uniformly from 
 output its full length (no end-of-sequence stop), run with --concurrency requests decoding at once. Reported per
 model: new tokens per second over the whole run, prompt tokens per second in the prefill chunks, the peak KV memory
 the pool held against what a static cache of --concurrency x the longest request would reserve, and our own batch-1
-decoding of the same model (the compiled single-row step, the fastest we have) for the ratio.
+decoding of the same model (the compiled single-row step, the fastest we have) for the ratio. With --peer llama.cpp,
+the same requests also go through llama.cpp's llama-server on the same weights (GGUF Q8_0 for int8, Q4_0 for int4,
+BF16 for bf16), with --concurrency slots of continuous batching fed by as many client threads, each sending the next
+request when its last one is answered: its new tokens per second over the whole run, and ours over its.
 
-    python scripts/bench_engine.py --models smollm2-int8 tinyllama-int8 --json bench_engine.json"""
+    python scripts/bench_engine.py --models smollm2-int8 tinyllama-int8 --json bench_engine.json
+    python scripts/bench_engine.py --models smollm2-int8 smollm2-int4 --peer llama.cpp --rounds 3"""
 import argparse
 import contextlib
 import io
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -21,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cli  # noqa: E402
+import llama_cpp  # noqa: E402
+import llama_server  # noqa: E402
 import cpu_gemv  # noqa: E402
 import generate  # noqa: E402
 from checkpoint import load_model  # noqa: E402
@@ -66,7 +73,41 @@ def batch_one(model, steps, new_tokens: int = 128) -> float:
     return max(rates[1:])
 
 
-def bench_model(name: str, args, work: Path) -> dict:
+def peer_gguf(name: str, tools: Path, work: Path) -> Path:
+    """The model as llama.cpp runs it: SmolLM2's GGUF file requantized as ours is (from its weights, dequantized),
+    or the very checkpoint ours loads written as GGUF (bf16, then quantized by llama-quantize). Cached in work."""
+    source, weights = MODELS[name]
+    kind = llama_cpp.QUANT[weights]
+    if source != "smollm2":
+        from bench import checkpoint
+        with contextlib.redirect_stdout(io.StringIO()):
+            return llama_cpp.llama_gguf(tools, checkpoint(source, "bf16", work), weights, work)
+    from bench_speculative import smollm2_gguf
+    out = work / f"smollm2-{kind}.gguf"
+    return out if out.exists() else llama_cpp.quantize_gguf(tools, smollm2_gguf(), out, kind)
+
+
+def run_ours(engine: Engine, reqs: list[tuple[list[int], int]]) -> dict:
+    """One timed run of the workload through the engine."""
+    engine.stats.update(dict.fromkeys(engine.stats, 0))
+    t0 = time.perf_counter()
+    done = engine.run([Request(p, max_new_tokens=n) for p, n in reqs])
+    seconds = time.perf_counter() - t0
+    s, out = engine.stats, sum(len(r.out) for r in done)
+    return {"seconds": seconds, "new_tokens": out, "prompt_tokens": s["prompt_tokens"], "tokens_per_s": out / seconds,
+            "prefill_tokens_per_s": s["prefilled"] / s["prefill_s"] if s["prefill_s"] else 0.0,
+            "peak_blocks": s["peak_blocks"], "steps": s["steps"], "preempted": s["preempted"]}
+
+
+def run_theirs(url: str, reqs: list[tuple[list[int], int]], concurrency: int) -> dict:
+    """One timed run of the workload through llama-server, after the same warm-up as ours gets."""
+    llama_server.serve_workload(url, [(p[:32], 8) for p, _ in reqs[:concurrency]], concurrency)
+    return llama_server.serve_workload(url, reqs, concurrency)
+
+
+def bench_model(name: str, args, work: Path, tools) -> dict:
+    """Ours, and with tools llama-server beside it, in --rounds rounds that alternate the two (ours first); the
+    figures are the rounds' medians, the ratio the median of the rounds' own."""
     path = checkpoint_of(name, work)
     model = load_model(path, "cpu", torch.bfloat16)
     reqs = workload(args.requests, *args.lengths, model.args.vocab_size, args.seed)
@@ -78,19 +119,54 @@ def bench_model(name: str, args, work: Path) -> dict:
     single = batch_one(model, generate.build_steps(compile=True))
     engine = Engine(model, max_rows=args.concurrency)
     engine.run([Request(p[:32], max_new_tokens=8) for p, _ in reqs[: args.concurrency]])  # warm-up: allocations
-    engine.stats.update(dict.fromkeys(engine.stats, 0))
-    t0 = time.perf_counter()
-    done = engine.run([Request(p, max_new_tokens=n) for p, n in reqs])
-    seconds = time.perf_counter() - t0
-    s, per_block = engine.stats, engine.cache.bytes_per_block()
+    cmd = llama_server.server_command(tools, peer_gguf(name, tools, work), torch.get_num_threads(),
+                                      args.concurrency, longest, llama_server.free_port()) if tools else None
+    ours, theirs = [], []
+    with llama_server.llama_server(cmd) if cmd else contextlib.nullcontext() as url:
+        for _ in range(args.rounds):
+            ours.append(run_ours(engine, reqs))
+            if url:
+                theirs.append(run_theirs(url, reqs, args.concurrency))
+    per_block = engine.cache.bytes_per_block()
     static = args.concurrency * longest * per_block / engine.pool.block_size
-    out = sum(len(r.out) for r in done)
-    return {"checkpoint": str(path), "weights": MODELS[name][1], "seconds": seconds, "new_tokens": out,
-            "prompt_tokens": s["prompt_tokens"], "tokens_per_s": out / seconds,
-            "prefill_tokens_per_s": s["prefilled"] / s["prefill_s"] if s["prefill_s"] else 0.0,
-            "batch1_tokens_per_s": single, "over_batch1": out / seconds / single,
-            "peak_kv_bytes": s["peak_blocks"] * per_block, "static_kv_bytes": static,
-            "kv_share": s["peak_blocks"] * per_block / static, "steps": s["steps"], "preempted": s["preempted"]}
+    peak = max(r["peak_blocks"] for r in ours) * per_block
+    median = lambda rounds, key: statistics.median(r[key] for r in rounds)  # noqa: E731
+    out = {"checkpoint": str(path), "weights": MODELS[name][1], "rounds": ours,
+           **{k: median(ours, k) for k in ("seconds", "new_tokens", "prompt_tokens", "tokens_per_s",
+                                           "prefill_tokens_per_s", "steps", "preempted")},
+           "batch1_tokens_per_s": single, "over_batch1": median(ours, "tokens_per_s") / single,
+           "peak_kv_bytes": peak, "static_kv_bytes": static, "kv_share": peak / static}
+    if theirs:
+        keys = ("seconds", "new_tokens", "prompt_tokens", "tokens_per_s")
+        prompt = median(theirs, "prompt_tokens_per_s") if theirs[0]["prompt_tokens_per_s"] else None
+        out["llama_cpp"] = {"gguf": cmd[cmd.index("-m") + 1], "type": llama_cpp.QUANT[MODELS[name][1]],
+                            "command": cmd, "rounds": theirs, **{k: median(theirs, k) for k in keys},
+                            "prompt_tokens_per_s": prompt}
+        out["over_llama_cpp"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs))
+    return out
+
+
+def print_tables(results: dict, args):
+    print(f"\n{args.requests} requests, {args.concurrency} at once, lengths {args.lengths[0]}-{args.lengths[1]} "
+          f"({results['machine']['cpu']}, {cpu_gemv.kernels} kernels, {results['machine']['threads']} threads"
+          f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''})\n")
+    print("| model | new tokens/s | prefill tokens/s | batch-1 decode tokens/s | over batch 1 | peak KV | of static |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results["models"].items():
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['batch1_tokens_per_s']:.1f} "
+              f"| {r['over_batch1']:.2f}x | {r['peak_kv_bytes'] / 1e6:.0f} MB | {r['kv_share']:.0%} |")
+    if not args.peer:
+        return
+    print(f"\nthe same requests through llama.cpp's llama-server ({results['llama_cpp']}), {args.concurrency} slots; "
+          f"its prompt tokens/s are per request, from its timings\n")
+    print("| model | llama.cpp weights | new tokens/s: ours | llama.cpp | ours / llama.cpp "
+          "| prompt tokens/s: llama.cpp |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for name, r in results["models"].items():
+        t = r["llama_cpp"]
+        prompt = f"{t['prompt_tokens_per_s']:.0f}" if t["prompt_tokens_per_s"] else "-"
+        print(f"| {name} | {t['type']} | {r['tokens_per_s']:.1f} | {t['tokens_per_s']:.1f} | "
+              f"{r['over_llama_cpp']:.2f}x | {prompt} |")
 
 
 def main(argv=None):
@@ -105,26 +181,36 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="draws the workload")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     p.add_argument("--json", type=Path, default=Path("bench_engine.json"), help="where to write the figures")
+    p.add_argument("--peer", choices=["llama.cpp"], help="run the same requests through llama.cpp's llama-server "
+                   "too, on the same weights, and report ours over its new tokens/s; llama.cpp is built once from "
+                   "the llama-cpp-python source package (about 10 minutes on 2 cores) unless --llama_cpp names a build")
+    p.add_argument("--llama_cpp", type=Path, help="--peer: a folder holding llama-server and llama-quantize")
+    p.add_argument("--rounds", type=cli.positive_int, default=1, help="timed runs of the workload per model, ours "
+                   "and llama.cpp's in turn; the medians are reported")
     args = cli.one_line_errors(p).parse_args(argv)
     if args.lengths[0] > args.lengths[1]:
         cli.fail(f"--lengths {args.lengths[0]} {args.lengths[1]}: the first must not exceed the second")
+    if args.llama_cpp and not args.peer:
+        cli.fail("--llama_cpp is for --peer llama.cpp")
+    if args.llama_cpp and not (args.llama_cpp / "llama-server").is_file():
+        cli.fail(f"--llama_cpp {args.llama_cpp} holds no llama-server")
     cli.check_output_file(args.json, "--json", '"over_batch1"')
     cli.set_threads(args.threads)
+    tools = None
+    if args.peer:  # before any model: the build takes minutes, once
+        tools = args.llama_cpp or llama_cpp.build_llama_cpp(log=lambda m: print(m, file=sys.stderr))
     results = {"machine": {"cpu": cpu_gemv.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()},
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "requests": args.requests,
-               "concurrency": args.concurrency, "lengths": args.lengths, "seed": args.seed, "models": {}}
+               "concurrency": args.concurrency, "lengths": args.lengths, "seed": args.seed, "rounds": args.rounds,
+               "models": {}}
+    if tools:
+        results["llama_cpp"] = llama_cpp.version(tools)
     with tempfile.TemporaryDirectory(prefix="bench_engine-") as work:
         for name in args.models:
-            results["models"][name] = bench_model(name, args, Path(work))
+            results["models"][name] = bench_model(name, args, Path(work), tools)
             print(f"{name} done", file=sys.stderr)
     results["machine"]["cpu_kernels"] = cpu_gemv.kernels
-    print(f"\n{args.requests} requests, {args.concurrency} at once, lengths {args.lengths[0]}-{args.lengths[1]} "
-          f"({results['machine']['cpu']}, {cpu_gemv.kernels} kernels)\n")
-    print("| model | new tokens/s | prefill tokens/s | batch-1 decode tokens/s | over batch 1 | peak KV | of static |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, r in results["models"].items():
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['batch1_tokens_per_s']:.1f} "
-              f"| {r['over_batch1']:.2f}x | {r['peak_kv_bytes'] / 1e6:.0f} MB | {r['kv_share']:.0%} |")
+    print_tables(results, args)
     cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
     print(f"\nwrote {args.json}")
 

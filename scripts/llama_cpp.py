@@ -1,6 +1,7 @@
-"""llama.cpp as a peer for scripts/bench.py: its llama-bench and llama-quantize, built once from the llama.cpp sources
-that the llama-cpp-python package vendors (pip fetches the source package; cmake builds for this CPU), and the
-same checkpoint written as a GGUF file, in BF16 and quantized by llama-quantize to Q8_0 and Q4_0.
+"""llama.cpp as a peer for scripts/bench.py and scripts/bench_engine.py: its llama-bench, llama-quantize and
+llama-server, built once from the llama.cpp sources that the llama-cpp-python package vendors (pip fetches the
+source package; cmake builds for this CPU), and the same checkpoint written as a GGUF file, in BF16 and quantized by
+llama-quantize to Q8_0 and Q4_0.
 
     python scripts/llama_cpp.py --checkpoint checkpoints/stdlib-target --out stdlib.gguf
 
@@ -25,7 +26,7 @@ import cli  # noqa: E402
 from checkpoint import read_checkpoint  # noqa: E402
 from cpu_gemv import CACHE  # noqa: E402
 
-TOOLS = ("llama-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-quantize", "llama-server")
 # our weight format -> the llama.cpp type it is compared with: the same bits per weight, give or take the scales
 QUANT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 
@@ -33,41 +34,54 @@ QUANT = {"bf16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
 # ---- building llama.cpp --------------------------------------------------------------------------------------------
 
 def build_llama_cpp(where: Path = CACHE / "llama.cpp", log=print) -> Path:
-    """The folder holding llama-bench and llama-quantize: built once (about 10 minutes on 2 cores) from the
-    llama-cpp-python source package, statically linked and for this CPU's instruction set (GGML_NATIVE)."""
-    if all((where / t).is_file() for t in TOOLS):
+    """The folder holding llama-bench, llama-quantize and llama-server: built once (about 10 minutes on 2 cores) from
+    the llama-cpp-python source package, statically linked and for this CPU's instruction set (GGML_NATIVE). A tool
+    that is missing is built alone, from the same package version as the others when the folder names it."""
+    missing = [t for t in TOOLS if not (where / t).is_file()]
+    if not missing:
         return where
     for tool in ("cmake", os.environ.get("CXX", "g++")):
         if shutil.which(tool) is None:
             raise ValueError(f"building llama.cpp needs {tool}, which is not on PATH")
     with tempfile.TemporaryDirectory() as tmp:
-        log("llama.cpp: fetching the llama-cpp-python source package")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
-                        "llama-cpp-python"], check=True, capture_output=True, text=True)
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
+        sdist = fetch_source(where, Path(tmp), log)
         src = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-        log(f"llama.cpp: building {' and '.join(TOOLS)} from {sdist.name} (once; about 10 minutes on 2 cores)")
+        log(f"llama.cpp: building {' and '.join(missing)} from {sdist.name} (once; about 10 minutes on 2 cores)")
         ninja = ["-G", "Ninja"] if shutil.which("ninja") else []
         run = lambda *a: subprocess.run(a, check=True, capture_output=True, text=True, cwd=src)  # noqa: E731
         run("cmake", "-B", "build", *ninja, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
-            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF")
-        run("cmake", "--build", "build", "--config", "Release", "-j", str(os.cpu_count() or 1), "--target", *TOOLS)
+            "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON")
+        run("cmake", "--build", "build", "--config", "Release", "-j", str(os.cpu_count() or 1), "--target", *missing)
         where.mkdir(parents=True, exist_ok=True)
-        for t in TOOLS:  # copied then renamed: a reader never finds half a binary
+        for t in missing:  # copied then renamed: a reader never finds half a binary
             shutil.copy2(src / "build" / "bin" / t, where / f".{t}.tmp")
             os.replace(where / f".{t}.tmp", where / t)
         (where / "VERSION").write_text(sdist.name + "\n")
     return where
 
 
+def fetch_source(where: Path, tmp: Path, log) -> Path:
+    """The llama-cpp-python source package, unpacked in tmp: the version the tools in `where` were built from when
+    it says (so that tools built apart match), else the newest."""
+    built = (where / "VERSION").read_text().strip() if (where / "VERSION").is_file() else ""
+    release = built.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
+    package = "llama-cpp-python" + (f"=={release}" if built.startswith("llama_cpp_python-") and release else "")
+    log(f"llama.cpp: fetching the source package {package}")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(tmp),
+                    package], check=True, capture_output=True, text=True)
+    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp, filter="data")
+    return sdist
+
+
 def version(tools: Path) -> str:
-    """The source package a build here came from, or what llama-bench says of itself."""
+    """The source package a build here came from, or what its llama-bench (or llama-server) says of itself."""
     if (tools / "VERSION").is_file():
         return (tools / "VERSION").read_text().strip()
-    done = subprocess.run([str(tools / "llama-bench"), "--version"], capture_output=True, text=True)
-    return (done.stdout + done.stderr).strip().splitlines()[0] if done.returncode == 0 else "unknown"
+    tool = next((tools / t for t in TOOLS if (tools / t).is_file()), None)
+    done = subprocess.run([str(tool), "--version"], capture_output=True, text=True) if tool else None
+    return (done.stdout + done.stderr).strip().splitlines()[0] if done and done.returncode == 0 else "unknown"
 
 
 # ---- the checkpoint as GGUF ----------------------------------------------------------------------------------------
@@ -156,11 +170,21 @@ def llama_gguf(tools: Path, checkpoint_dir: Path, weights: str, work: Path) -> P
         write_gguf(checkpoint_dir, bf16.with_suffix(".tmp"))
         os.replace(bf16.with_suffix(".tmp"), bf16)
     if weights != "bf16":
-        tmp = path.with_suffix(".tmp")
-        subprocess.run([str(tools / "llama-quantize"), "--pure", str(bf16), str(tmp), QUANT[weights]], check=True,
-                       capture_output=True, text=True)
-        os.replace(tmp, path)
+        quantize_gguf(tools, bf16, path, QUANT[weights])
     return path
+
+
+def quantize_gguf(tools: Path, source: Path, out: Path, kind: str) -> Path:
+    """A GGUF file in the llama.cpp type `kind` by llama-quantize --pure (every matrix in that type, the output head
+    too); a source that is quantized already is dequantized first (--allow-requantize), as our converter does."""
+    tmp = out.with_suffix(".tmp")
+    done = subprocess.run([str(tools / "llama-quantize"), "--allow-requantize", "--pure", str(source), str(tmp), kind],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        last = ((done.stderr + done.stdout).strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise ValueError(f"llama-quantize failed on {source.name}: {last}")
+    os.replace(tmp, out)
+    return out
 
 
 # ---- measuring -----------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from checkpoint import huge_pages
-from conftest import mapping_of
+from conftest import errors_of, mapping_of
+from fake_llama_server import executable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -107,12 +108,25 @@ def test_bench_speculative_compares_the_default_with_the_best_method_on_the_same
     assert out["best_forced"] == "lookup" and out["auto_over_best"] == pytest.approx(1.0)
 
 
-def test_bench_engine_runs_a_workload_through_the_engine_and_writes_json(tmp_path):
-    out = tmp_path / "engine.json"
+def test_bench_engine_runs_a_workload_through_the_engine_and_beside_it_llama_server_and_writes_json(tmp_path):
+    """with a stand-in llama-server (tests/fake_llama_server.py) in two rounds"""
+    program, out = executable(tmp_path / "bin"), tmp_path / "engine.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_engine.py"), "--models", "builtin",
-                             "--requests", "6", "--concurrency", "3", "--lengths", "8", "24", "--json", str(out)],
+                             "--requests", "6", "--concurrency", "3", "--lengths", "8", "24", "--peer", "llama.cpp",
+                             "--llama_cpp", str(program.parent), "--rounds", "2", "--json", str(out)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     r = json.loads(out.read_text())["models"]["builtin"]
     assert r["new_tokens"] >= 6 * 8 and r["tokens_per_s"] > 0 and r["batch1_tokens_per_s"] > 0
     assert 0 < r["peak_kv_bytes"] <= r["static_kv_bytes"] and "| builtin |" in result.stdout
+    theirs = r["llama_cpp"]
+    assert theirs["type"] == "BF16" and theirs["gguf"].endswith("stdlib-target-BF16.gguf") and len(r["rounds"]) == 2
+    assert theirs["new_tokens"] == r["new_tokens"] and theirs["tokens_per_s"] > 0 and theirs["prompt_tokens_per_s"]
+    ratios = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(r["rounds"], theirs["rounds"]))
+    assert r["over_llama_cpp"] == pytest.approx(sum(ratios) / 2)
+    calls = [json.loads(line) for line in (tmp_path / "bin" / "llama-server.calls").read_text().splitlines()]
+    assert len(calls) == 1 and calls[0]["argv"] == theirs["command"][1:] and "-np 3" in " ".join(theirs["command"])
+    assert "| builtin | BF16 |" in result.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts/bench_engine.py"), "--llama_cpp", str(tmp_path),
+                          "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and len(errors_of(bad.stderr)) == 1 and "--peer" in bad.stderr

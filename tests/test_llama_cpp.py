@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_peer import kept, memory_changed, round_plan  # noqa: E402
 from convert_gguf import convert_gguf  # noqa: E402
-from llama_cpp import llama_bench, write_gguf  # noqa: E402
+from fake_llama_server import PROMPT_MS_PER_TOKEN, FakeServer, executable  # noqa: E402
+from llama_cpp import CACHE, llama_bench, write_gguf  # noqa: E402
+from llama_server import free_port, llama_server, serve_workload, server_command  # noqa: E402
 
 
 def test_a_checkpoint_written_as_gguf_reads_back_as_the_same_weights(checkpoint, tmp_path):
@@ -47,7 +49,7 @@ print(json.dumps(tests))
 def fake_llama_cpp(folder: Path) -> Path:
     folder.mkdir()
     (folder / "llama-bench").write_text(FAKE_BENCH)
-    (folder / "llama-quantize").write_text("#!/bin/sh\ncp \"$2\" \"$3\"\n")  # --pure IN OUT TYPE
+    (folder / "llama-quantize").write_text("#!/bin/sh\ncp \"$3\" \"$4\"\n")  # --allow-requantize --pure IN OUT TYPE
     for tool in ("llama-bench", "llama-quantize"):
         os.chmod(folder / tool, 0o755)
     return folder
@@ -178,3 +180,59 @@ def test_bench_gguf_that_is_missing_is_one_line_error_before_any_build(tmp_path)
                             text=True, timeout=120, cwd=ROOT)
     lines = errors_of(result.stderr)  # less the warning a busy machine adds
     assert result.returncode != 0 and len(lines) == 1 and "m.gguf not found" in lines[0]
+
+
+# ---- llama-server, for bench_engine.py --peer ----------------------------------------------------------------------
+
+def test_the_server_client_sends_every_request_first_come_first_served_with_at_most_n_in_flight():
+    reqs = [([i] * (i + 1), 4 + i) for i in range(10)]
+    with FakeServer() as server:
+        r = serve_workload(server.url, reqs, 3)
+    got = [(b["prompt"], b["n_predict"]) for b in server.received]
+    assert sorted(got) == sorted(reqs) and server.most_in_flight == 3
+    assert all(b["ignore_eos"] and not b["cache_prompt"] and b["temperature"] == 0 for b in server.received)
+    order = [b["prompt"][0] for b in server.received]  # each thread takes the next request when its last is answered
+    assert sorted(order[:3]) == [0, 1, 2] and all(abs(i - at) < 3 for at, i in enumerate(order))
+    assert r["new_tokens"] == sum(n for _, n in reqs) and r["tokens_per_s"] == pytest.approx(r["new_tokens"] /
+                                                                                            r["seconds"])
+    assert r["prompt_tokens"] == sum(len(p) for p, _ in reqs)
+    assert r["prompt_tokens_per_s"] == pytest.approx(1e3 / PROMPT_MS_PER_TOKEN)
+
+
+def test_the_server_client_refuses_an_answer_short_of_the_tokens_asked():
+    with FakeServer(short=True) as server, pytest.raises(ValueError, match="answered 4 new tokens where 5"):
+        serve_workload(server.url, [([1, 2], 5)] * 4, 2)
+
+
+def test_llama_server_starts_with_a_slot_per_request_waits_until_ready_and_is_stopped_after(tmp_path):
+    program = executable(tmp_path / "bin")
+    cmd = server_command(program.parent, tmp_path / "m.gguf", 2, 3, 300, free_port())
+    flags = " ".join(cmd)
+    assert "--threads 2 --threads-batch 2 -np 3 -c 1536 -cb --cache-ram 0 --no-webui" in flags  # 3 slots of 512
+    with llama_server(cmd) as url:
+        assert serve_workload(url, [([1, 2, 3], 4)], 1)["new_tokens"] == 4
+    call = json.loads((tmp_path / "bin" / "llama-server.calls").read_text())
+    assert call["argv"] == cmd[1:]
+    with pytest.raises(ProcessLookupError):  # stopped, and reaped
+        os.kill(call["pid"], 0)
+
+
+def test_llama_server_that_exits_while_starting_is_one_line_error(tmp_path):
+    program = tmp_path / "llama-server"
+    program.write_text("#!/bin/sh\necho 'loading the model'\necho 'error: failed to load model' >&2\nexit 1\n")
+    program.chmod(0o755)
+    with pytest.raises(ValueError, match="exited with status 1: error: failed to load model"):
+        with llama_server([str(program), "--port", str(free_port())]):
+            pass
+
+
+@pytest.mark.skipif(not (CACHE / "llama.cpp" / "llama-server").is_file(),
+                    reason="llama.cpp's llama-server is not built here (bench_engine.py --peer llama.cpp builds "
+                    "it, in about 10 minutes)")
+def test_the_real_llama_server_answers_each_request_in_full(checkpoint, tmp_path):
+    model = write_gguf(checkpoint, tmp_path / "tiny.gguf")
+    reqs = [([5 + i] * (8 + i), 6 + i) for i in range(4)]
+    with llama_server(server_command(CACHE / "llama.cpp", model, 1, 2, 32, free_port())) as url:
+        r = serve_workload(url, reqs, 2)
+    assert r["new_tokens"] == sum(n for _, n in reqs) and r["tokens_per_s"] > 0
+    assert r["prompt_tokens"] == sum(len(p) for p, _ in reqs)  # the ids as sent: no token added in front
