@@ -1,7 +1,8 @@
 """llama.cpp's llama-server as a peer for scripts/bench_engine.py: started on a free local port with one slot per
 request decoding at once and continuous batching, fed a workload's requests as token ids by as many client threads
 (each sends the next request as soon as its last one is answered: first come, first served), and stopped after.
-Only the standard library speaks to it: /health until it says ok, then /completion."""
+Only the standard library speaks to it: /health until it says ok, then /completion. scripts/bench_serve.py starts
+and stops it, and our serve.py, the same way (running)."""
 import contextlib
 import json
 import socket
@@ -50,12 +51,12 @@ def last_line(log) -> str:
     return lines[-1] if lines else "no output"
 
 
-def wait_healthy(p: subprocess.Popen, url: str, log, timeout: float = STARTUP_S):
+def wait_healthy(p: subprocess.Popen, url: str, log, timeout: float = STARTUP_S, name: str = "llama-server"):
     """Poll /health until it answers ok (503 while the model loads); fail if the server exits or takes too long."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if p.poll() is not None:
-            raise ValueError(f"llama-server exited with status {p.returncode}: {last_line(log)}")
+            raise ValueError(f"{name} exited with status {p.returncode}: {last_line(log)}")
         try:
             with LOCAL.open(url + "/health", timeout=5) as r:
                 if json.loads(r.read()).get("status") == "ok":
@@ -63,7 +64,7 @@ def wait_healthy(p: subprocess.Popen, url: str, log, timeout: float = STARTUP_S)
         except (OSError, ValueError):  # not listening yet, or still loading
             pass
         time.sleep(0.1)
-    raise ValueError(f"llama-server did not report ready within {timeout:.0f} s: {last_line(log)}")
+    raise ValueError(f"{name} did not report ready within {timeout:.0f} s: {last_line(log)}")
 
 
 def stop(p: subprocess.Popen):
@@ -78,17 +79,25 @@ def stop(p: subprocess.Popen):
 
 
 @contextlib.contextmanager
-def llama_server(cmd: list[str]):
-    """The server of `cmd` (see server_command), running and ready: its URL. Stopped on leaving, error or not."""
+def running(cmd: list[str], name: str = "llama-server"):
+    """The HTTP server of `cmd` (which names its --port on 127.0.0.1), running and ready: its URL and process. Stopped
+    on leaving, error or not; `name` is what errors call it."""
     port = cmd[cmd.index("--port") + 1]
     with tempfile.TemporaryFile(mode="w+") as log:  # a file, not a pipe: its log cannot fill one and stall it
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_healthy(p, url, log)
-            yield url
+            wait_healthy(p, url, log, name=name)
+            yield url, p
         finally:
             stop(p)
+
+
+@contextlib.contextmanager
+def llama_server(cmd: list[str]):
+    """The server of `cmd` (see server_command), running and ready: its URL. Stopped on leaving, error or not."""
+    with running(cmd) as (url, _):
+        yield url
 
 
 def complete(url: str, prompt: list[int], n: int) -> dict:
