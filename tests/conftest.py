@@ -93,6 +93,20 @@ def checkpoint(tmp_path_factory, sp_model_path):
     return convert(hf_dir, tmp_path_factory.mktemp("native") / "ckpt")
 
 
+@pytest.fixture
+def real_llama_server(checkpoint, tmp_path):
+    """llama.cpp's llama-server on the tiny checkpoint written as GGUF (2 slots of up to 32 tokens, 1 thread): its
+    URL, stopped after the test. Skips, saying why, where llama.cpp is not built."""
+    from llama_cpp import CACHE, write_gguf
+    from llama_server import free_port, llama_server, server_command
+    if not (CACHE / "llama.cpp" / "llama-server").is_file():
+        pytest.skip("llama.cpp's llama-server is not built here (bench_engine.py --peer llama.cpp builds it, in "
+                    "about 10 minutes)")
+    model = write_gguf(checkpoint, tmp_path / "tiny.gguf")
+    with llama_server(server_command(CACHE / "llama.cpp", model, 1, 2, 32, free_port())) as url:
+        yield url
+
+
 def errors_of(stderr: str) -> list[str]:
     """stderr's lines less warnings (a busy machine adds one about threads) and blank lines (Ctrl-C's message starts
     on a fresh line after the text): what bad input must reduce to one."""

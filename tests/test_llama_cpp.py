@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_peer import kept, memory_changed, round_plan  # noqa: E402
 from convert_gguf import convert_gguf  # noqa: E402
 from fake_llama_server import PROMPT_MS_PER_TOKEN, FakeServer, executable  # noqa: E402
-from llama_cpp import CACHE, llama_bench, write_gguf  # noqa: E402
+from llama_cpp import llama_bench, write_gguf  # noqa: E402
 from llama_server import free_port, llama_server, serve_workload, server_command  # noqa: E402
 
 
@@ -226,13 +226,8 @@ def test_llama_server_that_exits_while_starting_is_one_line_error(tmp_path):
             pass
 
 
-@pytest.mark.skipif(not (CACHE / "llama.cpp" / "llama-server").is_file(),
-                    reason="llama.cpp's llama-server is not built here (bench_engine.py --peer llama.cpp builds "
-                    "it, in about 10 minutes)")
-def test_the_real_llama_server_answers_each_request_in_full(checkpoint, tmp_path):
-    model = write_gguf(checkpoint, tmp_path / "tiny.gguf")
+def test_the_real_llama_server_answers_each_request_in_full(real_llama_server):
     reqs = [([5 + i] * (8 + i), 6 + i) for i in range(4)]
-    with llama_server(server_command(CACHE / "llama.cpp", model, 1, 2, 32, free_port())) as url:
-        r = serve_workload(url, reqs, 2)
+    r = serve_workload(real_llama_server, reqs, 2)
     assert r["new_tokens"] == sum(n for _, n in reqs) and r["tokens_per_s"] > 0
     assert r["prompt_tokens"] == sum(len(p) for p, _ in reqs)  # the ids as sent: no token added in front
