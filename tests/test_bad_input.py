@@ -122,7 +122,7 @@ GGUF = "scripts/convert_gguf.py"
 TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "scripts/bench_quantize.py",
                                   "scripts/bench_speculative.py")
 BENCH_C = "scripts/bench_cpu_step.py"
-BATCH, BENCH_E = "batch.py", "scripts/bench_engine.py"
+BATCH, BENCH_E, BENCH_SERVE = "batch.py", "scripts/bench_engine.py", "scripts/bench_serve.py"
 N = ("--max_new_tokens", 4)
 
 # id: (script, lambda tmp, ckpt, sp -> args, a word the one line must contain)
@@ -302,6 +302,14 @@ ROWS = {
     "bench_engine_lengths_reversed": (BENCH_E, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
     "bench_engine_json_onto_a_users_file": (BENCH_E, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
                                             "not an earlier output"),
+    "bench_serve_rate_zero": (BENCH_SERVE, lambda t, c, s: ["--rates", 1, 0], "--rates"),
+    "bench_serve_lengths_reversed": (BENCH_SERVE, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
+    "bench_serve_url_with_models": (BENCH_SERVE, lambda t, c, s: ["--url", "http://127.0.0.1:9", "--models",
+                                                                  "builtin"], "--models"),
+    "bench_serve_url_nothing_answers": (BENCH_SERVE, lambda t, c, s: ["--url", "http://127.0.0.1:9", "--json",
+                                                                      t / "r.json"], "nothing answers"),
+    "bench_serve_json_onto_a_users_file": (BENCH_SERVE, lambda t, c, s: [
+        "--url", "http://127.0.0.1:9", "--json", user_folder(t, "r.json") / "r.json"], "not an earlier output"),
 }
 
 
