@@ -1,8 +1,9 @@
 """Serving benchmark for OpenAI-compatible servers: an open-loop load of --requests requests arriving at random
 (Poisson) times, --rates requests per second on average, each sent at its time whatever is still in flight. A
 request is a random token-id prompt streamed back from /v1/completions with exactly its drawn number of new tokens
-(greedy, no end-of-sequence stop); prompt and output lengths are drawn uniformly from --lengths, the same requests
-and the same arrival pattern (scaled to the rate) for every server. Reported per server and rate: output tokens per
+(greedy, no end-of-sequence stop). Prompt and output lengths are drawn uniformly from --lengths; every server gets
+the same requests at a rate, and every rate the same lengths and arrival pattern (scaled to the rate) with prompts
+that no server has seen before, so no prefix cache answers them. Reported per server and rate: output tokens per
 second over the run (first send to last answer), time to first token and inter-token latency (p50, p99), completed
 requests per second, and errors (a request that fails, or answers other than the tokens asked).
 
@@ -63,7 +64,7 @@ def stream_completion(url: str, model: str, prompt: list[int], n: int, timeout: 
                        "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
     kind = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
     r = {"prompt": len(prompt), "asked": n, "sent": time.perf_counter(), "chunks": [], "tokens": None,
-         "prompt_tokens": None, "error": None}
+         "prompt_tokens": None, "cached": None, "error": None}
     conn = kind(target.hostname, target.port, timeout=timeout)
     try:
         usage, finished = None, False
@@ -91,6 +92,7 @@ def stream_completion(url: str, model: str, prompt: list[int], n: int, timeout: 
         if not usage:
             raise ValueError("the stream held no usage (stream_options include_usage)")
         r["tokens"], r["prompt_tokens"] = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        r["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if r["tokens"] != n:
             raise ValueError(f"answered {r['tokens']} tokens where {n} were asked")
         if not r["chunks"]:
@@ -115,6 +117,13 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
         out.append(t)
         t += rng.expovariate(1.0) / rate
     return out
+
+
+def fresh_ids(requests: list[tuple[list[int], int]], vocab: int, seed: str) -> list[tuple[list[int], int]]:
+    """The requests with new random prompt ids, of the same lengths: a server that has seen a prompt may answer it
+    again from its prefix cache, so each run sends prompts no server has seen."""
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in p], n) for p, n in requests]
 
 
 def run_load(url: str, model: str, requests: list[tuple[list[int], int]], offsets: list[float],
@@ -167,6 +176,7 @@ def summarize(t0: float, records: list[dict], rate: float) -> dict:
     return {"rate": rate, "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
             "error_messages": errors, "seconds": seconds, "output_tokens": tokens,
             "prompt_tokens": sum(r["prompt"] for r in records),
+            "cached_prompt_tokens": sum(r.get("cached") or 0 for r in records),  # what the servers' usage says
             "output_tokens_per_s": tokens / seconds, "request_rate": len(ok) / seconds,
             "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
             "itl_p50_ms": ms(percentile(itl, 50)), "itl_p99_ms": ms(percentile(itl, 99)),
@@ -196,10 +206,10 @@ def cpu_seconds(pid: int):
         return None
 
 
-def warm_up(url: str, model: str, requests: list[tuple[list[int], int]], slots: int, name: str):
+def warm_up(url: str, model: str, vocab: int, slots: int, name: str):
     """A slot's worth of short requests at once, as bench_engine.py warms both sides; the first failure is fatal
     (a server that refuses these will refuse the run)."""
-    _, records = run_load(url, model, [(p[:32], 8) for p, _ in requests[:slots]], [0.0] * min(slots, len(requests)))
+    _, records = run_load(url, model, fresh_ids([([0] * 32, 8)] * slots, vocab, "warm-up"), [0.0] * slots)
     failed = next((r["error"] for r in records if r["error"]), None)
     if failed:
         raise ValueError(f"{name} failed a warm-up request: {failed}")
@@ -240,11 +250,12 @@ def bench_model(name: str, args, work: Path, tools) -> tuple[list[dict], dict]:
             label = "serve.py" if side == "ours" else "llama-server"
             urls[side], processes[side] = servers.enter_context(llama_server.running(commands[side], label))
             served[side] = served_model(urls[side], otherwise=name)[0]  # the model name it expects, if it says
-            warm_up(urls[side], served[side], requests, args.slots, label)
-        for rate in args.rates:
+            warm_up(urls[side], served[side], config.vocab_size, args.slots, label)
+        for i, rate in enumerate(args.rates):
             offsets = arrivals(args.requests, rate, args.seed)
             for side in args.servers:
-                run = measure(urls[side], served[side], requests, offsets, rate, args.timeout, processes, side)
+                sent = fresh_ids(requests, config.vocab_size, f"{args.seed}-{i}")  # both sides: the same
+                run = measure(urls[side], served[side], sent, offsets, rate, args.timeout, processes, side)
                 runs.append({"model": name, "server": side, **run})
                 print(f"{name} {side} at {rate:g} requests/s: {run['seconds']:.0f} s, {run['errors']} errors",
                       file=sys.stderr, flush=True)
@@ -273,9 +284,9 @@ def bench_url(args) -> tuple[list[dict], dict]:
         raise ValueError(f"{args.url} does not say its model's vocabulary at /v1/models ({why}); give --vocab")
     requests = workload(args.requests, *args.lengths, vocab, args.seed)
     runs = []
-    for rate in args.rates:
-        run = summarize(*run_load(args.url, model, requests, arrivals(args.requests, rate, args.seed), args.timeout),
-                        rate)
+    for i, rate in enumerate(args.rates):
+        sent = fresh_ids(requests, vocab, f"{args.seed}-{i}")
+        run = summarize(*run_load(args.url, model, sent, arrivals(args.requests, rate, args.seed), args.timeout), rate)
         runs.append({"model": model, "server": args.url, **run})
         print(f"{args.url} at {rate:g} requests/s: {run['seconds']:.0f} s, {run['errors']} errors", file=sys.stderr,
               flush=True)

@@ -100,7 +100,10 @@ def test_url_mode_prints_a_row_per_rate_and_writes_the_json(tmp_path, capsys):
         assert {"output_tokens_per_s", "request_rate", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                 "errors", "seconds", "max_send_lag_ms"} <= set(r)
         assert f"| default | {server.url}/v1 | {r['rate']:g} |" in printed
-    assert len(server.received) == 8 and all(max(b["prompt"]) < 100 for b in server.received)
+    prompts = [b["prompt"] for b in server.received]
+    assert len(prompts) == 8 and all(max(p) < 100 for p in prompts)
+    # the same lengths at each rate, but ids no server has seen: its prefix cache cannot answer them
+    assert sorted(map(len, prompts[:4])) == sorted(map(len, prompts[4:])) and len(set(map(tuple, prompts))) == 8
 
 
 def started(calls: Path, timeout: float = 120.0) -> dict:
