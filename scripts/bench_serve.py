@@ -347,7 +347,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slots", type=cli.positive_int, help="requests each started server decodes at once: "
                    "serve.py's --max_rows, llama-server's -np, continuous batching (default: 16)")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads of each started server (default: the "
-                   "physical cores)")
+                   "physical cores that other programs leave free)")
     p.add_argument("--timeout", type=positive_rate, default=TIMEOUT_S, help="seconds a request may wait for its "
                    "next bytes before it counts as an error")
     p.add_argument("--llama_cpp", type=Path, help="a folder holding llama-server and llama-quantize (default: "
@@ -369,7 +369,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         cli.fail("--vocab is for --url: started servers take the model's vocabulary")
     args.servers = list(dict.fromkeys(args.servers or SIDES))
     args.models = list(dict.fromkeys(args.models or ["smollm2-int8"]))
-    args.threads, args.slots = args.threads or cli.physical_cores(), args.slots or 16
+    args.slots = args.slots or 16
     if args.llama_cpp and "llama.cpp" not in args.servers:
         cli.fail("--llama_cpp is for --servers llama.cpp")
     if args.llama_cpp and not (args.llama_cpp / "llama-server").is_file():
@@ -388,6 +388,7 @@ def main(argv=None):
         results["url"] = args.url
         results["runs"], _ = bench_url(args)
     else:
+        args.threads = cli.set_threads(args.threads)  # the free cores; says so when other programs take some
         tools = None
         if "llama.cpp" in args.servers:  # before any model: the build takes minutes, once
             tools = args.llama_cpp or llama_cpp.build_llama_cpp(log=lambda m: print(m, file=sys.stderr))
