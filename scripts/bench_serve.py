@@ -299,7 +299,8 @@ def print_table(results: dict):
     cell = lambda v, f="{:.0f}": "-" if v is None else f.format(v)  # noqa: E731
     lo, hi = results["lengths"]
     print(f"\n{results['requests']} requests per rate, Poisson arrivals, prompt and output lengths {lo}-{hi}"
-          + ("" if "url" in results else f", {results['slots']} slots, {results['threads']} threads") + "\n")
+          + ("" if "url" in results else f", {results['slots']} slots, {results['threads']} CPU thread(s) each")
+          + "\n")
     print("| model | server | rate req/s | done req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | errors |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
