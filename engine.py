@@ -100,6 +100,14 @@ class Engine:
 
     def add(self, r: Request) -> Request:
         """Queue r; a request that can never run raises ValueError and leaves the engine as it was."""
+        self.check(r)
+        r.times["arrived"] = time.perf_counter()
+        self.waiting.append(r)
+        return r
+
+    def check(self, r: Request):
+        """ValueError if r can never run; else readies its grammar's matcher, its generator and its stop strings.
+        Touches nothing else of the engine's (a server checks requests in its own threads)."""
         if not r.prompt:
             raise ValueError("a prompt is empty")
         if r.max_new_tokens < 1:
@@ -109,21 +117,18 @@ class Engine:
                              f"context of {self.context} tokens")
         if -(-(len(r.prompt) + r.max_new_tokens) // self.pool.block_size) > self.pool.n_blocks:
             raise ValueError(f"the request needs more KV blocks than the pool holds ({self.pool.n_blocks})")
-        if r.grammar is not None:
+        if r.grammar is not None and r.matcher is None:
             r.matcher = self.matcher(r.grammar)
         if r.seed is not None:
             r.generator = torch.Generator(self.model.norm.weight.device).manual_seed(r.seed)
         if r.stop:
             from cli import stop_strings
             r.keep = stop_strings(self.tokenizer, r.stop)
-        r.times["arrived"] = time.perf_counter()
-        self.waiting.append(r)
-        return r
 
     def matcher(self, grammar: str):
         import guided
         llg = guided._llguidance()
-        if self.grammar_tokenizer is None:
+        if self.grammar_tokenizer is None:  # (built once, before a server's threads check grammars)
             self.grammar_tokenizer = guided.llg_tokenizer(self.tokenizer, self.model.args.vocab_size)
         m = llg.LLMatcher(self.grammar_tokenizer, grammar, log_level=0)
         if m.is_error():

@@ -123,6 +123,7 @@ TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "
                                   "scripts/bench_speculative.py")
 BENCH_C = "scripts/bench_cpu_step.py"
 BATCH, BENCH_E, BENCH_SERVE = "batch.py", "scripts/bench_engine.py", "scripts/bench_serve.py"
+SERVE = "serve.py"
 N = ("--max_new_tokens", 4)
 
 # id: (script, lambda tmp, ckpt, sp -> args, a word the one line must contain)
@@ -302,6 +303,11 @@ ROWS = {
     "bench_engine_lengths_reversed": (BENCH_E, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
     "bench_engine_json_onto_a_users_file": (BENCH_E, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
                                             "not an earlier output"),
+    "serve_missing_checkpoint": (SERVE, lambda t, c, s: ["--checkpoint_path", t / "nope"], "not found"),
+    "serve_port_past_65535": (SERVE, lambda t, c, s: ["--checkpoint_path", c, "--port", 70000], "--port"),
+    "serve_negative_grace": (SERVE, lambda t, c, s: ["--checkpoint_path", c, "--grace", -1], "--grace"),
+    "serve_address_not_here": (SERVE, lambda t, c, s: ["--checkpoint_path", c, "--host", "10.255.255.1"],
+                               "cannot listen"),
     "bench_serve_rate_zero": (BENCH_SERVE, lambda t, c, s: ["--rates", 1, 0], "--rates"),
     "bench_serve_lengths_reversed": (BENCH_SERVE, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
     "bench_serve_url_with_models": (BENCH_SERVE, lambda t, c, s: ["--url", "http://127.0.0.1:9", "--models",

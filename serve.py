@@ -1,0 +1,555 @@
+"""An OpenAI-compatible HTTP server on the engine (engine.py): /v1/chat/completions and /v1/completions, streamed
+or not, for any client of the OpenAI API (its `openai` package, curl, an agent or an evaluation harness).
+
+    python serve.py --checkpoint_path checkpoints/stdlib-target --port 8000
+
+The engine runs in a thread of its own, stepping while it has work; HTTP handlers only check a request, queue it
+and read its tokens as the engine makes them. A client that disconnects cancels its request (its KV blocks go back
+at once); past --max_waiting queued requests, new ones get 429. Errors are the OpenAI API's error JSON: 400 for a
+bad body, 401 without the API key, 404 for an unknown model or path, 413 for a body or prompt too long, 429 when
+full. SIGTERM or Ctrl-C: no new requests, the running ones get --grace seconds to finish, then exit 0."""
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import cli
+
+KEY_ENV = "FAST_DECODE_API_KEY"
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix", "echo")  # would change the answer's kind
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param=None, kind: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def need(ok: bool, message: str, param=None, status: int = 400):
+    if not ok:
+        raise ApiError(status, message, param)
+
+
+def whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# ---- a request's body -> the engine's Request --------------------------------------------------------------------
+
+def sampling(body: dict) -> dict:
+    """The OpenAI fields the engine honours, checked; fields that would change what kind of answer comes back, and
+    that it cannot give, are refused; the others are ignored, as the OpenAI API ignores fields it does not know."""
+    for name in REFUSED:
+        need(body.get(name) in (None, False, [], ""), f"'{name}' is not supported by this server", name)
+    need(body.get("logprobs") in (None, False, 0) and body.get("top_logprobs") in (None, 0),
+         "logprobs are not supported by this server", "logprobs")
+    need(body.get("best_of") in (None, 1), "best_of must be 1 on this server", "best_of")
+    need(not body.get("logit_bias"), "logit_bias is not supported by this server", "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        need(body.get(name) in (None, 0, 0.0), f"'{name}' is not supported by this server (0 only)", name)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    need(limit is None or whole(limit) and limit >= 1, "max_tokens must be a whole number of at least 1", "max_tokens")
+    temperature = body.get("temperature", 1.0)
+    temperature = 1.0 if temperature is None else temperature
+    need(number(temperature) and 0 <= temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
+    top_p = 1.0 if body.get("top_p") is None else body["top_p"]
+    need(number(top_p) and 0 < top_p <= 1, "top_p must be a number in (0, 1]", "top_p")
+    top_k = body.get("top_k")
+    need(top_k is None or whole(top_k) and top_k >= 1, "top_k must be a whole number of at least 1", "top_k")
+    seed = body.get("seed")
+    need(seed is None or whole(seed), "seed must be a whole number", "seed")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    need(stop is None or isinstance(stop, list) and len(stop) <= 16 and all(isinstance(s, str) and s for s in stop),
+         "stop must be a non-empty string or a list of at most 16 of them", "stop")
+    n = 1 if body.get("n") is None else body["n"]
+    need(whole(n) and 1 <= n <= 16, "n must be a whole number from 1 to 16", "n")
+    for name in ("stream", "ignore_eos"):
+        need(body.get(name) in (None, True, False), f"{name} must be true or false", name)
+    options = body.get("stream_options")
+    need(options is None or isinstance(options, dict) and options.get("include_usage") in (None, True, False),
+         "stream_options must be an object whose include_usage is true or false", "stream_options")
+    return dict(max_new_tokens=limit, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                seed=None if seed is None else seed % 2**64, stop=stop or None, n=n, ignore_eos=bool(body.get(
+                    "ignore_eos")), stream=bool(body.get("stream")), usage=bool((options or {}).get("include_usage")),
+                grammar=grammar(body.get("response_format")))
+
+
+def grammar(fmt):
+    """response_format as llguidance's grammar text (guided.grammars), or None for plain text."""
+    if fmt is None:
+        return None
+    need(isinstance(fmt, dict) and fmt.get("type") in RESPONSE_FORMATS,
+         f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}", "response_format")
+    import guided
+    if fmt["type"] == "json_object":
+        return guided.grammars(json=True)[0]
+    if fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        need(isinstance(spec, dict) and isinstance(spec.get("schema"), dict),
+             "response_format json_schema needs json_schema.schema, an object", "response_format")
+        try:
+            return guided.grammars(json_schema=spec["schema"])[0]
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"response_format: the schema cannot be used: {str(e)[:300]}", "response_format")
+    return None
+
+
+def prompt_tokens(tokenizer, prompt, vocab: int) -> list[int]:
+    """/v1/completions' prompt: a string, token ids, or a list holding one of them."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        need(bool(prompt), "prompt is empty", "prompt")
+        return tokenizer.encode(prompt, bos=True)
+    need(isinstance(prompt, list) and prompt and all(whole(t) and 0 <= t < vocab for t in prompt),
+         f"prompt must be a non-empty string or a list of token ids in 0..{vocab - 1} (one prompt a request)", "prompt")
+    return prompt
+
+
+def chat_tokens(tokenizer, messages) -> list[int]:
+    """/v1/chat/completions' messages through the model's chat template."""
+    need(tokenizer.chat_template is not None, "this model has no chat template: use /v1/completions", "messages")
+    need(isinstance(messages, list) and messages, "messages must be a non-empty list", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        need(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant"),
+             f"messages[{i}] must be an object whose role is system, developer, user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # parts: text only
+            need(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                     for p in content), f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        need(isinstance(content, str), f"messages[{i}].content must be a string or a list of text parts", "messages")
+        turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return tokenizer.encode(tokenizer.apply_chat_template(turns), bos=False, specials=True)
+
+
+# ---- the engine in its thread ------------------------------------------------------------------------------------
+
+class Service:
+    """The engine and the thread that steps it. Handlers submit requests with an asyncio queue each; after every
+    step the thread posts (request, tokens so far, finish reason) to the queues of the requests that moved."""
+
+    def __init__(self, llm, engine, max_waiting: int, metrics):
+        self.llm, self.engine, self.max_waiting, self.metrics = llm, engine, max_waiting, metrics
+        self.inbox, self.wake, self.checking = queue.SimpleQueue(), threading.Event(), threading.Lock()
+        self.sinks, self.queued, self.last = {}, 0, {}  # request -> (loop, queue); submitted, not yet in the engine
+        self.stopping = False
+        import torch
+        self.threads = torch.get_num_threads()
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.thread.start()
+
+    def check(self, r):
+        with self.checking:  # grammars compile here, in a handler's worker thread, not in the engine's
+            self.engine.check(r)
+
+    def submit(self, requests: list, loop, sink: asyncio.Queue):
+        if self.stopping:
+            raise ApiError(503, "the server is shutting down", kind="server_error")
+        if len(self.engine.waiting) + self.queued + len(requests) > self.max_waiting:
+            raise ApiError(429, "too many requests are waiting: retry later", kind="rate_limit_error")
+        self.queued += len(requests)
+        for r in requests:
+            self.inbox.put(("add", r, (loop, sink)))
+        self.wake.set()
+
+    def cancel(self, requests: list):
+        for r in requests:
+            self.inbox.put(("cancel", r, None))
+        self.wake.set()
+
+    def run(self):
+        import torch
+        torch.set_num_threads(self.threads)  # this thread's own setting: the kernels' parallel regions read it
+        while not (self.stopping and not self.engine.has_work()):
+            if not self.engine.has_work():
+                self.wake.wait(0.5)
+            self.wake.clear()
+            self.take_inbox()
+            try:
+                for r in self.engine.step() if self.engine.has_work() else ():
+                    self.post(r)
+            except Exception as e:  # a bug of ours: every request in flight fails, saying so, and the server goes on
+                for r in list(self.engine.running) + list(self.engine.waiting):
+                    if r in self.engine.waiting:
+                        self.engine.waiting.remove(r)
+                    self.engine.finish(r, "error", f"the engine failed: {type(e).__name__}: {e}")
+                    self.post(r)
+
+    def take_inbox(self):
+        while True:
+            try:
+                what, r, sink = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "add":
+                self.queued -= 1
+                self.sinks[r] = sink
+                if r.finished:  # cancelled before it got here
+                    self.post(r)
+                    continue
+                self.engine.add(r)  # (checked by the handler)
+            elif not r.finished:
+                self.engine.cancel(r)
+                if r in self.sinks:
+                    self.post(r)
+
+    def post(self, r):
+        now = time.perf_counter()
+        if r.out and r not in self.last:
+            self.metrics.ttft.observe(now - r.times.get("arrived", now))
+        elif r in self.last and len(r.out) > self.last[r][0]:
+            self.metrics.itl.observe((now - self.last[r][1]) / (len(r.out) - self.last[r][0]))
+        self.last[r] = (len(r.out), now)
+        loop, sink = self.sinks[r]
+        if r.finished:
+            del self.sinks[r], self.last[r]
+            self.metrics.finished.labels(r.finish_reason).inc()
+        loop.call_soon_threadsafe(sink.put_nowait, (r, len(r.out), r.finish_reason))
+
+    def stop(self):
+        """No more requests; cancel those still running and let the thread end."""
+        self.stopping = True
+        self.cancel(list(self.sinks) + list(self.engine.waiting) + list(self.engine.running))
+        self.thread.join(timeout=10)
+
+
+class Metrics:
+    """The Prometheus figures: the engine's counts read when scraped, the latencies observed as tokens come."""
+
+    def __init__(self, engine, prefix: str = "fast_decode"):
+        import prometheus_client as prom
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        self.prom, self.registry = prom, prom.CollectorRegistry()
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = prom.Histogram(f"{prefix}_time_to_first_token_seconds", "Time from arrival to the first token",
+                                   buckets=buckets, registry=self.registry)
+        self.itl = prom.Histogram(f"{prefix}_inter_token_latency_seconds", "Time between a request's tokens",
+                                  buckets=(0.005,) + buckets[:-3], registry=self.registry)
+        self.finished = prom.Counter(f"{prefix}_requests_finished", "Requests finished, by finish reason",
+                                     ["reason"], registry=self.registry)
+
+        class EngineCounts:
+            def collect(self):
+                s, pool = engine.stats, engine.pool
+                yield GaugeMetricFamily(f"{prefix}_requests_running", "Requests in the running batch",
+                                        value=len(engine.running))
+                yield GaugeMetricFamily(f"{prefix}_requests_waiting", "Requests waiting to start",
+                                        value=len(engine.waiting))
+                yield GaugeMetricFamily(f"{prefix}_kv_blocks_in_use", "KV cache blocks held by requests",
+                                        value=pool.in_use())
+                yield GaugeMetricFamily(f"{prefix}_kv_blocks", "KV cache blocks in the pool", value=pool.n_blocks)
+                for name, key, what in (("generation_tokens", "generated", "Tokens generated"),
+                                        ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted"),
+                                        ("prompt_tokens_cached", "cached_tokens", "Prompt tokens from the prefix cache"),
+                                        ("preemptions", "preempted", "Requests preempted and recomputed")):
+                    yield CounterMetricFamily(f"{prefix}_{name}", what, value=s[key])
+        self.registry.register(EngineCounts())
+
+    def text(self) -> bytes:
+        return self.prom.generate_latest(self.registry)
+
+
+# ---- HTTP --------------------------------------------------------------------------------------------------------
+
+def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, max_body: int = 1 << 20):
+    """The Starlette app serving llm's model through engine as `name`."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    metrics = Metrics(engine)
+    service = Service(llm, engine, max_waiting, metrics)
+    tokenizer, context, vocab = llm.tokenizer, engine.context, llm.model.args.vocab_size
+
+    async def body_of(request) -> dict:
+        size = request.headers.get("content-length")
+        need(size is None or size.isdigit() and int(size) <= max_body, f"the body is over {max_body} bytes",
+             status=413)
+        data = b""
+        async for part in request.stream():
+            data += part
+            need(len(data) <= max_body, f"the body is over {max_body} bytes", status=413)
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the body is not valid JSON")
+        need(isinstance(body, dict), "the body must be a JSON object")
+        model = body.get("model")
+        need(model is None or isinstance(model, str), "model must be a string", "model")
+        need(model in (None, name), f"the model '{model}' does not exist: this server has '{name}'", "model", 404)
+        return body
+
+    async def requests_for(tokens: list[int], o: dict) -> list:
+        from engine import Request
+        need(len(tokens) < context, f"the prompt is {len(tokens)} tokens: this server's context is {context}",
+             "messages", 413)
+        room = context - len(tokens)
+        limit = o["max_new_tokens"] or room
+        need(limit <= room, f"max_tokens {limit} + the prompt's {len(tokens)} tokens exceed the context of "
+             f"{context}", "max_tokens")
+        eos = () if o["ignore_eos"] else tuple(tokenizer.eos_ids)
+        rs = [Request(tokens, limit, o["temperature"], o["top_k"], o["top_p"],
+                      None if o["seed"] is None else (o["seed"] + i) % 2**64, o["stop"], eos, o["grammar"])
+              for i in range(o["n"])]
+        try:
+            for r in rs:
+                await run_in_threadpool(service.check, r)
+        except ValueError as e:
+            raise ApiError(413 if "pool" in str(e) else 400, str(e))
+        return rs
+
+    async def complete(request, chat: bool):
+        body = await body_of(request)
+        o = sampling(body)
+        if chat:
+            tokens = chat_tokens(tokenizer, body.get("messages"))
+        else:
+            need("prompt" in body, "prompt is required", "prompt")
+            tokens = prompt_tokens(tokenizer, body["prompt"], vocab)
+        rs = await requests_for(tokens, o)
+        loop, sink = asyncio.get_running_loop(), asyncio.Queue()
+        service.submit(rs, loop, sink)
+        answer = Answer(tokenizer, rs, chat, name, o["stop"])
+        if o["stream"]:
+            return StreamingResponse(answer.stream(sink, service, o["usage"]), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return JSONResponse(await answer.whole(sink, service, request))
+
+    async def chat_completions(request):
+        return await complete(request, chat=True)
+
+    async def completions(request):
+        return await complete(request, chat=False)
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": int(START),
+                                                         "owned_by": "fast-decode"}]})
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(request):
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
+
+    async def api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def http_error(request, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                     kind=kind).body(), status_code=e.status_code)
+
+    async def crash(request, e: Exception):  # a bug of ours, said as the API says it, never a traceback
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", kind="server_error").body(),
+                            status_code=500)
+
+    class KeyCheck:
+        """Every path but /health needs 'Authorization: Bearer <key>' when the server has a key."""
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and api_key and scope["path"] != "/health":
+                given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    e = ApiError(401, "a valid API key is needed: 'Authorization: Bearer <key>'",
+                                 kind="authentication_error", code="invalid_api_key")
+                    return await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+            return await self.app(scope, receive, send)
+
+    from starlette.middleware import Middleware
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await run_in_threadpool(service.stop)
+    routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/metrics", prometheus, methods=["GET"])]
+    app = Starlette(routes=routes, middleware=[Middleware(KeyCheck)], lifespan=lifespan,
+                    exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: crash})
+    app.state.service = service
+    return app
+
+
+START = time.time()
+
+
+class Answer:
+    """The reply to one HTTP request: its n engine requests' text as it grows, whole or as server-sent events."""
+
+    def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop):
+        self.tokenizer, self.requests, self.chat, self.model, self.stop = tokenizer, requests, chat, model, stop
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created, self.sent = int(time.time()), [""] * len(requests)
+        self.hold = max(map(len, stop or [""]), default=1) - 1  # a stop string's start may be in the latest text
+
+    def text(self, r, n: int) -> str:
+        return cli.new_text(self.tokenizer, r.prompt, r.out[:n], self.stop)
+
+    def usage(self) -> dict:
+        done = sum(len(r.out) for r in self.requests)
+        prompt = len(self.requests[0].prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": self.requests[0].cached_tokens}}
+
+    def reason(self, r) -> str:
+        if r.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {r.error}", kind="server_error")
+        return "stop" if r.finish_reason == "stop" else "length"
+
+    async def whole(self, sink: asyncio.Queue, service: Service, request) -> dict:
+        """Wait for every choice to finish (cancelling them if the client goes away meanwhile)."""
+        left = set(self.requests)
+        try:
+            while left:
+                try:
+                    r, _, finished = await asyncio.wait_for(sink.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        service.cancel(list(left))
+                        return {}
+                    continue
+                if finished:
+                    left.discard(r)
+        finally:
+            if left:
+                service.cancel(list(left))
+        choices = []
+        for i, r in enumerate(self.requests):
+            text = self.text(r, len(r.out))
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": i, **content, "finish_reason": self.reason(r), "logprobs": None})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def chunk(self, i: int, text, finish=None) -> str:
+        if self.chat:
+            delta = {} if text is None else {"content": text} if i >= 0 else {"role": "assistant", "content": ""}
+            choice = {"index": max(i, 0), "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return self.event({"choices": [choice]})
+
+    def event(self, payload: dict) -> str:
+        payload = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model, **payload}
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def stream(self, sink: asyncio.Queue, service: Service, usage: bool):
+        """Server-sent events: each choice's new text as it comes, held back while it may be the start of a stop
+        string or of a character not yet whole; its finish; the usage if asked; [DONE]. Cancelled if the client
+        goes away (the response's task is cancelled: the finally clause runs)."""
+        left, index = set(self.requests), {r: i for i, r in enumerate(self.requests)}
+        try:
+            if self.chat:
+                for i in range(len(self.requests)):
+                    yield self.chunk(-1 - i, "")
+            while left:
+                r, n, finished = await sink.get()
+                i, text = index[r], self.text(r, n)
+                ready = text if finished else text[: max(len(self.sent[i]), len(text) - self.hold)]
+                if not finished and ready.endswith("\ufffd"):
+                    ready = ready[:-1]
+                if len(ready) > len(self.sent[i]) and ready.startswith(self.sent[i]):
+                    yield self.chunk(i, ready[len(self.sent[i]):])
+                    self.sent[i] = ready
+                if finished:
+                    left.discard(r)
+                    try:
+                        yield self.chunk(i, None, self.reason(r))
+                    except ApiError as e:
+                        yield f"data: {json.dumps(e.body())}\n\n"
+            if usage:
+                yield self.event({"choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            if left:
+                service.cancel(list(left))
+
+
+def check_address(host: str, port: int):
+    """ValueError unless this process could listen on host:port now."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(info[0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(info[4])
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=cli.summary(__doc__))
+    p.add_argument("--checkpoint_path", type=Path, default=cli.DEFAULT_CHECKPOINT, help="the model's folder")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: this machine only)")
+    p.add_argument("--port", type=cli.positive_int, default=8000, help="the port to listen on")
+    p.add_argument("--api_key", help=f"require 'Authorization: Bearer KEY' (default: ${KEY_ENV} if set)")
+    p.add_argument("--model_name", help="the model's id in the API (default: the checkpoint folder's name)")
+    p.add_argument("--max_rows", type=cli.positive_int, default=16, help="requests decoding at once")
+    p.add_argument("--max_waiting", type=cli.positive_int, default=64, help="requests queued beyond those; more get "
+                   "429")
+    p.add_argument("--kv_blocks", type=cli.positive_int, help="KV cache blocks of 16 tokens (default: room for "
+                   "--max_rows requests of half the context each)")
+    p.add_argument("--max_seq_length", type=cli.positive_int, help="the context: prompt + answer, at most")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on shutdown")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default="bfloat16", choices=list(cli.DTYPES), help="weight and activation dtype")
+    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the free physical cores)")
+    args = cli.one_line_errors(p).parse_args(argv)
+    if not (math.isfinite(args.grace) and args.grace >= 0):
+        raise ValueError(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    if args.port > 65535:
+        raise ValueError(f"--port must be at most 65535, got {args.port}")
+    key = args.api_key or os.environ.get(KEY_ENV) or None
+    check_address(args.host, args.port)  # before the model loads, which takes a while
+    import uvicorn
+    from engine import Engine
+    from llm import LLM
+    llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
+              threads=args.threads)
+    engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.max_rows)
+    name = args.model_name or Path(args.checkpoint_path).resolve().name
+    app = build_app(llm, engine, name=name, api_key=key, max_waiting=args.max_waiting)
+    if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host} without an API key: anyone who reaches it can use it (give "
+              f"--api_key or set {KEY_ENV})", file=sys.stderr)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.pool.n_blocks} KV blocks, "
+          f"{args.max_rows} requests at once)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=args.grace))
+    # a signal is how this server is meant to stop: a graceful shutdown and status 0, where uvicorn would end by
+    # raising the signal again (a second one still stops it at once)
+    server.capture_signals = contextlib.nullcontext
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, frame: server.handle_exit(number, frame))
+    server.run()
+
+
+if __name__ == "__main__":
+    cli.run_main(main)
