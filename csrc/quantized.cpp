@@ -402,10 +402,84 @@ static inline void dot_i8_exact(const float* x, const int8_t* w, int64_t K, floa
         out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
 }
 
+#ifdef __AVX512BF16__
+// 32 int8 weights -> 32 bf16 in order, exactly (an int8 has at most 8 significant bits, as bf16 holds). Its fp32 is
+// its bf16 with 16 zero bits below, so one permute takes the upper halves of both: quicker than cvtne2ps2bf16.
+static inline __m512i bf16_of_i8(const int8_t* w) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                         31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi));
+}
+
+// The output head's int8 product (f32) with dpbf16: x as it came (bf16) and each weight made bf16, both exact, so
+// every product is exact as in dot_i8_exact, but 32 of them an instruction into 16 fp32 lanes, one chain per pair
+// of rows. A tile of W weight rows by R rows of x: each weight vector made serves R rows, each x vector W weight
+// rows, and every pair's sums run exactly as they would alone: out[r][j], 8 lanes that add up to x row r (at
+// x + r * K) times w row j.
+template <int W, int R>
+static inline void dot_i8_bf16(const uint16_t* x, const int8_t* const* w, int64_t K, __m256 out[][8]) {
+    __m512 acc[R][W];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i v[W];
+        for (int j = 0; j < W; j++) {
+            if (k % 64 == 0) ahead(w[j] + k);
+            v[j] = bf16_of_i8(w[j] + k);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i xr = _mm512_loadu_si512(x + r * K + k);
+            for (int j = 0; j < W; j++) acc[r][j] = dp(acc[r][j], v[j], xr);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++)
+            out[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][j]),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][j]), 1)));
+}
+
+// gemv_int8's f32 product with dpbf16. 8 weight rows at a time stay in L1 while tiles of 2 weight rows by 8 rows of
+// x (then 4, 2, 1 for the last few) go over them; a lone row takes one weight row at a time, one stream through
+// memory (two interleaved read slower from memory). The 8 rows' sums are reduced and scaled together.
+static void head_i8_bf16(const uint16_t* x, const int8_t* w, const uint16_t* scales, float* y, int64_t M, int64_t N,
+                         int64_t K) {
+    constexpr int W = 2, R = 8;
+    share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            const __mmask8 live = (__mmask8)((1u << rows) - 1);
+            const int8_t* wr[8];
+            for (int64_t i = 0; i < 8; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;  // past N: row n0 again
+            const __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales + n0));
+            for (int64_t m = 0; m < M;) {
+                const int64_t r = M - m >= R ? R : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+                const uint16_t* xm = x + m * K;
+                __m256 t[R][8];
+                if (r == 1)
+                    for (int64_t i = 0; i < 8; i++) dot_i8_bf16<1, 1>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                else
+                    for (int64_t i = 0; i < 8; i += W) {
+                        if (r == R) dot_i8_bf16<W, R>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                        else if (r == 4) dot_i8_bf16<W, 4>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                        else dot_i8_bf16<W, 2>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                    }
+                for (int64_t j = 0; j < r; j++, m++)
+                    _mm256_mask_storeu_ps(y + m * N + n0, live, _mm256_mul_ps(sum8x8(t[j]), s));
+            }
+        }
+    });
+}
+#endif
+
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
+#ifdef __AVX512BF16__
+        return head_i8_bf16(x, w, scales, (float*)y, M, N, K);
+#else
         // rows of x a pass: their accumulators and the widened w in registers, their fp32 rows in L1
         constexpr int64_t XR = WIDE ? 4 : 2;
         static thread_local vec<float> xs_;
@@ -435,6 +509,7 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
                 }
         });
         return;
+#endif
     }
     std::vector<XQ>& xq = xq_;  // (by reference in the parallel regions: a thread_local name is each thread's own)
     static thread_local vec<float> shift_;
