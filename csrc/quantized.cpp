@@ -604,7 +604,8 @@ static void gemv_i4(const XQ* xq, int64_t M, const uint8_t* w, const uint16_t* s
             const int64_t rows = N - n0 < 8 ? N - n0 : 8;
             int64_t m = 0;
             for (; m + R <= M; m += R) rows_i4<G, R>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
-            for (; R > 2 && m + 2 <= M; m += 2) rows_i4<G, 2>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
+            if constexpr (R > 2)
+                for (; m + 2 <= M; m += 2) rows_i4<G, 2>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
             if (m < M) rows_i4<G, 1>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
         }
     });
