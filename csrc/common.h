@@ -133,6 +133,15 @@ static inline void put(void* y, int64_t i, float v, int64_t f32) {
     else ((uint16_t*)y)[i] = to_bf16(v);
 }
 
+// y[i .. i + n) = v's first n (at most 8) lanes, as put() writes each: 8 in one store
+static inline void put8(void* y, int64_t i, __m256 v, int64_t n, int64_t f32) {
+    if (n == 8 && f32) return _mm256_storeu_ps((float*)y + i, v);
+    if (n == 8) return _mm_storeu_si128((__m128i*)((uint16_t*)y + i), to_bf16x8(v));
+    alignas(32) float o[8];
+    _mm256_store_ps(o, v);
+    for (int64_t j = 0; j < n; j++) put(y, i + j, o[j], f32);
+}
+
 // 8 vectors -> one: lane t is the sum of a[t]'s lanes
 static inline __m256 sum8x8(const __m256* a) {
     __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);

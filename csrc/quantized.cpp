@@ -204,61 +204,80 @@ static inline __m256i dot64(const uint8_t* w, const int8_t* x) {
 }
 
 #if WIDE
-// 128 packed int4 weights (64 bytes) times 128 int8 x in even-odd order by 128, added to a's 16 int32 sums. One load
-// kept for both nibbles: folded into each use, it was loaded twice.
-static inline __m512i dot128(__m512i a, const uint8_t* w, const int8_t* x) {
+// 128 packed int4 weights (64 bytes) -> their low and high nibbles, to multiply x in even-odd order by 128. One load
+// kept for both: folded into each use, it was loaded twice.
+static inline void nibbles(const uint8_t* w, __m512i* lo, __m512i* hi) {
     __m512i v = _mm512_loadu_si512(w);
     asm("" : "+v"(v));
     const __m512i nib = _mm512_set1_epi8(15);
-    a = _mm512_dpbusd_epi32(a, _mm512_and_si512(v, nib), _mm512_loadu_si512(x));
-    return _mm512_dpbusd_epi32(a, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), _mm512_loadu_si512(x + 64));
+    *lo = _mm512_and_si512(v, nib), *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 }
 
 // n <= 8 groups' products in 512-bit steps, added to acc: each step's 16 int32 sums converted and scaled where they
 // lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's; G 32: four lanes a group), with no
 // horizontal sums: quicker than summing each group's lanes first, and than 256-bit steps for G 32 (GGUF's Q4_0 and
-// Q4_1); HOW_IT_WORKS.md, "The int8 and int4 products". sd: the 8 groups' scale x d.
-template <int G>
-static inline __m512 group_products_wide(const uint8_t* w, const int8_t* x, int n, __m256 sd, __m512 acc) {
-    const __m512 s = _mm512_castps256_ps512(sd);
+// Q4_1); HOW_IT_WORKS.md, "The int8 and int4 products". R rows of x at once (x[r], its 8 groups' scale x d sd[r],
+// added to acc[r]): each weight vector loaded and split into nibbles serves all R, and each row's sums run exactly
+// as they would alone.
+template <int G, int R>
+static inline void group_products_wide(const uint8_t* w, const int8_t* const* x, int n, const __m256* sd,
+                                       __m512* acc) {
+    __m512 s[R];
+    for (int r = 0; r < R; r++) s[r] = _mm512_castps256_ps512(sd[r]);
+    __m512i lo, hi;
     if constexpr (G >= 128) {
         for (int i = 0; i < n; i++) {
-            __m512i a = _mm512_setzero_si512();
+            __m512i a[R];
+            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
             for (int j = 0; j < G / 128; j++) {
                 ahead(w + i * G / 2 + 64 * j, AHEAD4);
-                a = dot128(a, w + i * G / 2 + 64 * j, x + i * G + 128 * j);
+                nibbles(w + i * G / 2 + 64 * j, &lo, &hi);
+                for (int r = 0; r < R; r++) {
+                    const int8_t* xr = x[r] + i * G + 128 * j;
+                    a[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[r], lo, _mm512_loadu_si512(xr)), hi,
+                                               _mm512_loadu_si512(xr + 64));
+                }
             }
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(_mm512_set1_epi32(i), s), acc);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_permutexvar_ps(_mm512_set1_epi32(i), s[r]),
+                                         acc[r]);
         }
-        return acc;
+        return;
     }
+    // a step's 128 weights hold G 32: four groups, a quarter each; G 64: two, one in each half
+    constexpr int per = 128 / G;
     int i = 0;
-    if (G == 32)  // a step holds four groups, a quarter each
-        for (; i + 4 <= n; i += 4) {
-            ahead(w + 16 * i, AHEAD4);
-            const __m512i pick = _mm512_add_epi32(_mm512_set1_epi32(i),
-                                                  _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 16 * i, x + 32 * i)),
-                                  _mm512_permutexvar_ps(pick, s), acc);
+    for (; i + per <= n; i += per) {
+        ahead(w + G / 2 * i, AHEAD4);
+        nibbles(w + G / 2 * i, &lo, &hi);
+        const __m512i pick = G == 32 ? _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1,
+                                                                                                 2, 2, 2, 2, 3, 3, 3, 3))
+                                     : _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = x[r] + G * i;
+            const __m512i a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                                                      _mm512_loadu_si512(xr)),
+                                                  hi, _mm512_loadu_si512(xr + 64));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, s[r]), acc[r]);
         }
-    else  // G 64: a step holds two groups, one in each half
-        for (; i + 2 <= n; i += 2) {
-            ahead(w + 32 * i, AHEAD4);
-            const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot128(_mm512_setzero_si512(), w + 32 * i, x + 64 * i)),
-                                  _mm512_permutexvar_ps(pick, s), acc);
-        }
+    }
     if (i < n) {  // G 32 or 64 with K 64 short of a multiple of 128: the row's last 64 weights (x in 64's order there)
         const __m256i pick = G == 32 ? _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1) : _mm256_set1_epi32(i);
-        const __m256 half = _mm256_mul_ps(_mm256_cvtepi32_ps(dot64(w + G / 2 * i, x + G * i)),
-                                          _mm256_permutexvar_ps(pick, sd));
-        acc = _mm512_add_ps(acc, _mm512_zextps256_ps512(half));
+        const __m256i nib = _mm256_set1_epi8(15), v = _mm256_loadu_si256((const __m256i*)(w + G / 2 * i));
+        const __m256i lo4 = _mm256_and_si256(v, nib), hi4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = x[r] + G * i;
+            const __m256i a = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo4,
+                                                                      _mm256_loadu_si256((const __m256i*)xr)),
+                                                  hi4, _mm256_loadu_si256((const __m256i*)(xr + 32)));
+            const __m256 half = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_permutexvar_ps(pick, sd[r]));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(half));
+        }
     }
-    return acc;
 }
 #endif
 
-// n <= 8 groups' (G 64 or more) products in 256-bit steps: acc[i] holds group i's in its 8 int32 lanes
+// n <= 8 groups' (G 64 or more) products in 256-bit steps (without VNNI): acc[i] holds group i's in its 8 int32 lanes
 template <int G>
 static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i* acc) {
     const __m256i nib = _mm256_set1_epi8(15);
@@ -272,26 +291,20 @@ static inline void group_sums(const uint8_t* w, const int8_t* x, int n, __m256i*
             __m256i v = _mm256_loadu_si256((const __m256i*)wg);
             __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
             __m256i xe = _mm256_loadu_si256((const __m256i*)xg), xo = _mm256_loadu_si256((const __m256i*)(xg + 32));
-#ifdef __AVX512VNNI__
-            acc[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc[i], lo, xe), hi, xo);
-#else
             acc[i] = _mm256_add_epi16(acc[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo)));
-#endif
         }
-#ifndef __AVX512VNNI__
         acc[i] = _mm256_madd_epi16(acc[i], _mm256_set1_epi16(1));
-#endif
     }
 }
 
 // int4 w = (q - 8) * scale + zero per group of G (32, 64, 128 or 256) along K, two q per byte (low nibble first). A group's
 // products add up in 16-bit lanes (at most G/64 x 2 x 2 x 15 x 127 < 2^15), or in 32-bit ones with dpbusd; per group
 // sum (q - 8) x ~ d * (sum q xq) - 8 c. The float work is done 8 groups at a time: the 8 groups' integer sums are
-// gathered into one vector, converted and scaled together. wide: AVX-512 VNNI steps of 128 weights (x in even-odd
-// order by 128), their float work per step instead (group_products_wide). A row 64 short of a multiple of 128
-// (SmolLM2's 576 columns) ends in a 256-bit step, and with G 32 or 64 the last groups past a multiple of 8 are scaled
-// in one masked vector; with G 128 they stay scalar. Returns 8 lanes that add up to the row's product.
-// HOW_IT_WORKS.md, "The int8 and int4 products".
+// gathered into one vector, converted and scaled together, the last few past a multiple of 8 in scalars (dot_i4,
+// which returns 8 lanes that add up to the row's product).
+// AVX-512 VNNI (dot_i4_wide): steps of 128 weights (x in even-odd order by 128), their float work per step instead
+// (group_products_wide); a row 64 short of a multiple of 128 (SmolLM2's 576 columns) ends in a 256-bit step, and the
+// last groups past a multiple of 8 are scaled in one masked vector. HOW_IT_WORKS.md, "The int8 and int4 products".
 // 8 groups' scales s and zeros z (from g0): sd = s x d, and rest += z x sum x - 8 s x c
 static inline void group_scales(__m256 s, __m256 z, const XQ& p, int64_t g0, __m256* sd, __m256* rest) {
     *sd = _mm256_mul_ps(s, _mm256_loadu_ps(&p.d[g0]));
@@ -299,23 +312,49 @@ static inline void group_scales(__m256 s, __m256 z, const XQ& p, int64_t g0, __m
     *rest = _mm256_fnmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(8.f)), _mm256_loadu_ps(&p.c[g0]), *rest);
 }
 
-template <int G, bool wide>
+#if WIDE
+// dot_i4 in AVX-512 VNNI steps of 128 weights (x in even-odd order by 128), their float work per step
+// (group_products_wide), for R rows of x at once: each weight row's scales and zeros widened once for all R, each
+// row's sums run exactly as they would alone. out[r]: 8 lanes that add up to the product of x row r (p[r]).
+template <int G, int R>
+static inline void dot_i4_wide(const XQ* const* p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                               int64_t K, __m256* out) {
+    __m256 rest[R];
+    __m512 wacc[R];
+    for (int r = 0; r < R; r++) rest[r] = _mm256_setzero_ps(), wacc[r] = _mm512_setzero_ps();
+    const int64_t groups = K / G;
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        __m256 sd[R];  // scale * d per group
+        if (g0 + 8 <= groups) {
+            const __m256 s = widen8(scales + g0), z = widen8(zeros + g0);
+            for (int r = 0; r < R; r++) group_scales(s, z, *p[r], g0, &sd[r], &rest[r]);
+        } else {  // the last few groups, masked: nothing read past the row (p's d, c, sum are 0 there)
+            const __mmask8 live = (__mmask8)((1u << (groups - g0)) - 1);
+            const __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales + g0));
+            const __m256 z = widen8(_mm_maskz_loadu_epi16(live, zeros + g0));
+            for (int r = 0; r < R; r++) group_scales(s, z, *p[r], g0, &sd[r], &rest[r]);
+        }
+        const int n = groups - g0 < 8 ? groups - g0 : 8;
+        const int8_t* x[R];
+        for (int r = 0; r < R; r++) x[r] = &p[r]->q[g0 * G];
+        // a constant 8 unrolls the steps, which n alone does not
+        if (G <= 64 && n == 8) group_products_wide<G, R>(w + g0 * G / 2, x, 8, sd, wacc);
+        else group_products_wide<G, R>(w + g0 * G / 2, x, n, sd, wacc);
+    }
+    for (int r = 0; r < R; r++)
+        out[r] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(wacc[r]),
+                                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc[r]), 1))),
+                               rest[r]);
+}
+#else
+template <int G>
 static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, int64_t K) {
     __m256 total = _mm256_setzero_ps(), rest = _mm256_setzero_ps();
-#if WIDE
-    __m512 wacc = _mm512_setzero_ps();
-#endif
     const int64_t groups = K / G;
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         __m256 sd;  // scale * d per group
         if (g0 + 8 <= groups) {
             group_scales(widen8(scales + g0), widen8(zeros + g0), p, g0, &sd, &rest);
-#if WIDE
-        } else if (G <= 64) {  // the last few groups, masked: nothing read past the row (p's d, c, sum are 0 there)
-            const __mmask8 live = (__mmask8)((1u << (groups - g0)) - 1);
-            group_scales(widen8(_mm_maskz_loadu_epi16(live, scales + g0)),
-                         widen8(_mm_maskz_loadu_epi16(live, zeros + g0)), p, g0, &sd, &rest);
-#endif
         } else {
             alignas(32) float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             float r = 0.f;
@@ -326,19 +365,6 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
             sd = _mm256_load_ps(f);
             rest = _mm256_add_ps(rest, _mm256_setr_ps(r, 0, 0, 0, 0, 0, 0, 0));
         }
-#ifdef __AVX512VNNI__
-        if (G == 32 && !wide) {  // two groups a 32-byte step: int32 lanes 0-3 are the first group's, 4-7 the second's
-            alignas(32) float f[8];
-            _mm256_store_ps(f, sd);
-            for (int64_t g = g0; g < groups && g < g0 + 8; g += 2) {
-                if ((g - g0) % 4 == 0) ahead(w + g * 16, AHEAD4);
-                __m256 s = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(&f[g - g0])),
-                                                _mm_broadcast_ss(&f[g - g0 + 1]), 1);
-                total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(w + g * 16, &p.q[g * 32])), s, total);
-            }
-            continue;
-        }
-#else
         if (G == 32) {  // two groups a 32-byte step: bytes 0-15 hold the first's, 16-31 the second's
             const __m256i nib = _mm256_set1_epi8(15);
             __m256i r[4];  // 16-bit sums: 4 products each, 4 of them added below (4 x 4 x 15 x 127 < 2^15)
@@ -360,27 +386,15 @@ static inline __m256 dot_i4(const XQ& p, const uint8_t* w, const uint16_t* scale
             total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(h, _mm256_set1_epi16(1))), sd, total);
             continue;
         }
-#endif
         __m256i acc[8];
         const int n = groups - g0 < 8 ? groups - g0 : 8;
-#if WIDE
-        if (wide) {
-            // a constant 8 unrolls the steps, which n alone does not
-            if (G <= 64 && n == 8) wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], 8, sd, wacc);
-            else wacc = group_products_wide<G>(w + g0 * G / 2, &p.q[g0 * G], n, sd, wacc);
-            continue;
-        }
-#endif
         if (n == 8) group_sums<G>(w + g0 * G / 2, &p.q[g0 * G], 8, acc);
         else group_sums<G>(w + g0 * G / 2, &p.q[g0 * G], n, acc);
         total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8_i32(acc)), sd, total);
     }
-#if WIDE
-    total = _mm256_add_ps(total, _mm256_add_ps(_mm512_castps512_ps256(wacc),
-                                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc), 1))));
-#endif
     return _mm256_add_ps(total, rest);
 }
+#endif
 
 // the output head's int8 product (f32): x kept in fp32, each weight widened, so that logits closer than x's int8
 // rounding would move them (a small model's top two) keep their order. R rows of x at once share each widened
@@ -402,10 +416,84 @@ static inline void dot_i8_exact(const float* x, const int8_t* w, int64_t K, floa
         out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
 }
 
+#ifdef __AVX512BF16__
+// 32 int8 weights -> 32 bf16 in order, exactly (an int8 has at most 8 significant bits, as bf16 holds). Its fp32 is
+// its bf16 with 16 zero bits below, so one permute takes the upper halves of both: quicker than cvtne2ps2bf16.
+static inline __m512i bf16_of_i8(const int8_t* w) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                         31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(lo), odd, _mm512_castps_si512(hi));
+}
+
+// The output head's int8 product (f32) with dpbf16: x as it came (bf16) and each weight made bf16, both exact, so
+// every product is exact as in dot_i8_exact, but 32 of them an instruction into 16 fp32 lanes, one chain per pair
+// of rows. A tile of W weight rows by R rows of x: each weight vector made serves R rows, each x vector W weight
+// rows, and every pair's sums run exactly as they would alone: out[r][j], 8 lanes that add up to x row r (at
+// x + r * K) times w row j.
+template <int W, int R>
+static inline void dot_i8_bf16(const uint16_t* x, const int8_t* const* w, int64_t K, __m256 out[][8]) {
+    __m512 acc[R][W];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i v[W];
+        for (int j = 0; j < W; j++) {
+            if (k % 64 == 0) ahead(w[j] + k);
+            v[j] = bf16_of_i8(w[j] + k);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i xr = _mm512_loadu_si512(x + r * K + k);
+            for (int j = 0; j < W; j++) acc[r][j] = dp(acc[r][j], v[j], xr);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < W; j++)
+            out[r][j] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][j]),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][j]), 1)));
+}
+
+// gemv_int8's f32 product with dpbf16. 8 weight rows at a time stay in L1 while tiles of 2 weight rows by 8 rows of
+// x (then 4, 2, 1 for the last few) go over them; a lone row takes one weight row at a time, one stream through
+// memory (two interleaved read slower from memory). The 8 rows' sums are reduced and scaled together.
+static void head_i8_bf16(const uint16_t* x, const int8_t* w, const uint16_t* scales, float* y, int64_t M, int64_t N,
+                         int64_t K) {
+    constexpr int W = 2, R = 8;
+    share_rows((N + 7) / 8, 8 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            const __mmask8 live = (__mmask8)((1u << rows) - 1);
+            const int8_t* wr[8];
+            for (int64_t i = 0; i < 8; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;  // past N: row n0 again
+            const __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales + n0));
+            for (int64_t m = 0; m < M;) {
+                const int64_t r = M - m >= R ? R : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+                const uint16_t* xm = x + m * K;
+                __m256 t[R][8];
+                if (r == 1)
+                    for (int64_t i = 0; i < 8; i++) dot_i8_bf16<1, 1>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                else
+                    for (int64_t i = 0; i < 8; i += W) {
+                        if (r == R) dot_i8_bf16<W, R>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                        else if (r == 4) dot_i8_bf16<W, 4>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                        else dot_i8_bf16<W, 2>(xm, wr + i, K, (__m256(*)[8])&t[0][i]);
+                    }
+                for (int64_t j = 0; j < r; j++, m++)
+                    _mm256_mask_storeu_ps(y + m * N + n0, live, _mm256_mul_ps(sum8x8(t[j]), s));
+            }
+        }
+    });
+}
+#endif
+
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
+#ifdef __AVX512BF16__
+        return head_i8_bf16(x, w, scales, (float*)y, M, N, K);
+#else
         // rows of x a pass: their accumulators and the widened w in registers, their fp32 rows in L1
         constexpr int64_t XR = WIDE ? 4 : 2;
         static thread_local vec<float> xs_;
@@ -435,6 +523,7 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
                 }
         });
         return;
+#endif
     }
     std::vector<XQ>& xq = xq_;  // (by reference in the parallel regions: a thread_local name is each thread's own)
     static thread_local vec<float> shift_;
@@ -479,25 +568,45 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
     });
 }
 
-// Rows of x one at a time, 8 weight rows at a time, their sums reduced together rather than each at the end of its
-// row. Several rows of x (a verify pass) go over the 8 weight rows while they are in cache, each summed exactly as
-// it would be alone: a row's result does not depend on the rows beside it.
-template <int G, bool wide>
+// R rows of x (m on) over weight rows n0 .. n0 + 7 (the first `rows` of them stored; past N: row n0 again), the 8
+// rows' sums reduced together rather than each at the end of its row
+template <int G, int R>
+static inline void rows_i4(const XQ* xq, int64_t m, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                           void* y, int64_t N, int64_t K, int64_t n0, int64_t rows, int64_t f32) {
+    __m256 t[R][8];
+    for (int64_t i = 0; i < 8; i++) {
+        const int64_t n = n0 + (i < rows ? i : 0);
+        const uint8_t* wn = w + n * K / 2;
+        const uint16_t *sn = scales + n * (K / G), *zn = zeros + n * (K / G);
+#if WIDE
+        const XQ* xr[R];
+        __m256 o[R];
+        for (int j = 0; j < R; j++) xr[j] = xq + m + j;
+        dot_i4_wide<G, R>(xr, wn, sn, zn, K, o);
+        for (int j = 0; j < R; j++) t[j][i] = o[j];
+#else
+        t[0][i] = dot_i4<G>(xq[m], wn, sn, zn, K);
+#endif
+    }
+    for (int j = 0; j < R; j++) put8(y, (m + j) * N + n0, sum8x8(t[j]), rows, f32);
+}
+
+// 8 weight rows at a time. Several rows of x (a batch, a verify pass) go over them while they are in cache, each
+// summed exactly as it would be alone: a row's result does not depend on the rows beside it. With AVX-512 VNNI in
+// tiles of 4 rows of x (then 2, then 1 for the last few), each weight vector loaded and split serving all of them;
+// else one row at a time.
+template <int G>
 static void gemv_i4(const XQ* xq, int64_t M, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros, void* y,
                     int64_t N, int64_t K, int64_t f32) {
+    constexpr int R = WIDE ? 4 : 1;
     share_rows((N + 7) / 8, 8 * (K / 2 + K / G * 4), CHUNK_BYTES, [&](int64_t a, int64_t b) {
         for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
             const int64_t rows = N - n0 < 8 ? N - n0 : 8;
-            for (int64_t m = 0; m < M; m++) {
-                __m256 t[8];
-                for (int64_t i = 0; i < 8; i++) {
-                    const int64_t n = n0 + (i < rows ? i : 0);  // past N: row n0 again, not stored
-                    t[i] = dot_i4<G, wide>(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
-                }
-                alignas(32) float o[8];
-                _mm256_store_ps(o, sum8x8(t));
-                for (int64_t i = 0; i < rows; i++) put(y, m * N + n0 + i, o[i], f32);
-            }
+            int64_t m = 0;
+            for (; m + R <= M; m += R) rows_i4<G, R>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
+            if constexpr (R > 2)
+                for (; m + 2 <= M; m += 2) rows_i4<G, 2>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
+            if (m < M) rows_i4<G, 1>(xq, m, w, scales, zeros, y, N, K, n0, rows, f32);
         }
     });
 }
@@ -613,10 +722,10 @@ void fast_decode::gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t*
         else if (G == 64) gemm_i4<64>(xq, w, scales, zeros, y, M, N, K, f32);
         else if (G == 128) gemm_i4<128>(xq, w, scales, zeros, y, M, N, K, f32);
         else gemm_i4<256>(xq, w, scales, zeros, y, M, N, K, f32);
-    } else if (G == 32) (wide ? gemv_i4<32, true> : gemv_i4<32, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
-    else if (G == 64) (wide ? gemv_i4<64, true> : gemv_i4<64, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
-    else if (G == 128) (wide ? gemv_i4<128, true> : gemv_i4<128, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
-    else (wide ? gemv_i4<256, true> : gemv_i4<256, false>)(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    } else if (G == 32) gemv_i4<32>(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    else if (G == 64) gemv_i4<64>(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    else if (G == 128) gemv_i4<128>(xq.data(), M, w, scales, zeros, y, N, K, f32);
+    else gemv_i4<256>(xq.data(), M, w, scales, zeros, y, N, K, f32);
 }
 
 // prefill's int4 weights: w [N, K / 2] packed, scales and zeros [N, K / G] -> out [N, K] in fp32 (or bf16), for a

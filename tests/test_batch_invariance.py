@@ -79,22 +79,25 @@ def test_a_verify_pass_computes_each_position_as_decoding_it_alone_does(kernels,
 @torch.inference_mode()
 def test_an_int8_weight_product_computes_each_row_as_it_would_alone(kernels, K, f32):
     torch.manual_seed(K)
-    w, scales = torch.randint(-127, 128, (40, K), dtype=torch.int8), (torch.rand(40) / 50).bfloat16()
+    # 43 weight rows: the last 3 short of a block of 8
+    w, scales = torch.randint(-127, 128, (43, K), dtype=torch.int8), (torch.rand(43) / 50).bfloat16()
     x = torch.randn(32, K).bfloat16()
     alone = torch.cat([torch.ops.fast_decode.gemv_int8(x[m : m + 1], w, scales, f32) for m in range(32)])
-    for M in (2, 3, 5, 8, 17, 32):
+    for M in (2, 3, 5, 8, 16, 17, 32):
         assert torch.equal(torch.ops.fast_decode.gemv_int8(x[:M], w, scales, f32), alone[:M]), M
 
 
-@pytest.mark.parametrize("K, G", [(576, 32), (576, 64), (1024, 128), (2048, 256)])
+# 640 and 1536 by 256: the last groups past a multiple of 8, with groups of 128 or more
+@pytest.mark.parametrize("K, G", [(576, 32), (576, 64), (1024, 128), (2048, 256), (640, 128), (1536, 256)])
+@pytest.mark.parametrize("f32", [False, True])  # True: the output head's product
 @torch.inference_mode()
-def test_an_int4_weight_product_of_up_to_32_rows_computes_each_row_as_it_would_alone(kernels, K, G):
+def test_an_int4_weight_product_of_up_to_32_rows_computes_each_row_as_it_would_alone(kernels, K, G, f32):
     torch.manual_seed(K + G)
-    q, scales, zeros = quantize.quantize_int4(torch.randn(40, K), G)
+    q, scales, zeros = quantize.quantize_int4(torch.randn(43, K), G)  # 43 rows: the last 3 short of a block of 8
     w, x = quantize.pack_nibbles(q), torch.randn(32, K).bfloat16()
-    alone = torch.cat([torch.ops.fast_decode.gemv_int4(x[m : m + 1], w, scales, zeros) for m in range(32)])
-    for M in (2, 3, 5, 8, 17, 32):
-        assert torch.equal(torch.ops.fast_decode.gemv_int4(x[:M], w, scales, zeros), alone[:M]), M
+    alone = torch.cat([torch.ops.fast_decode.gemv_int4(x[m : m + 1], w, scales, zeros, f32) for m in range(32)])
+    for M in (2, 3, 5, 7, 8, 16, 17, 32):  # tiles of 4 rows of x, then 2, then 1
+        assert torch.equal(torch.ops.fast_decode.gemv_int4(x[:M], w, scales, zeros, f32), alone[:M]), M
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
