@@ -534,7 +534,7 @@ def main(argv=None):
     llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
               threads=args.threads)
     engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.max_rows)
-    name = args.model_name or Path(args.checkpoint_path).resolve().name
+    name = args.model_name or Path(os.path.abspath(args.checkpoint_path)).name  # a link keeps its own name
     app = build_app(llm, engine, name=name, api_key=key, max_waiting=args.max_waiting)
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches it can use it (give "
