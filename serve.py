@@ -262,7 +262,7 @@ class Metrics:
                 yield GaugeMetricFamily(f"{prefix}_kv_blocks", "KV cache blocks in the pool", value=pool.n_blocks)
                 for name, key, what in (("generation_tokens", "generated", "Tokens generated"),
                                         ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted"),
-                                        ("prompt_tokens_cached", "cached_tokens", "Prompt tokens from the prefix cache"),
+                                        ("prompt_tokens_cached", "cached_tokens", "Prompt tokens from the cache"),
                                         ("preemptions", "preempted", "Requests preempted and recomputed")):
                     yield CounterMetricFamily(f"{prefix}_{name}", what, value=s[key])
         self.registry.register(EngineCounts())
@@ -303,10 +303,10 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         need(model in (None, name), f"the model '{model}' does not exist: this server has '{name}'", "model", 404)
         return body
 
-    async def requests_for(tokens: list[int], o: dict) -> list:
+    async def requests_for(tokens: list[int], o: dict, field: str) -> list:
         from engine import Request
         need(len(tokens) < context, f"the prompt is {len(tokens)} tokens: this server's context is {context}",
-             "messages", 413)
+             field, 413)
         room = context - len(tokens)
         limit = o["max_new_tokens"] or room
         need(limit <= room, f"max_tokens {limit} + the prompt's {len(tokens)} tokens exceed the context of "
@@ -330,7 +330,7 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         else:
             need("prompt" in body, "prompt is required", "prompt")
             tokens = prompt_tokens(tokenizer, body["prompt"], vocab)
-        rs = await requests_for(tokens, o)
+        rs = await requests_for(tokens, o, "messages" if chat else "prompt")
         loop, sink = asyncio.get_running_loop(), asyncio.Queue()
         service.submit(rs, loop, sink)
         answer = Answer(tokenizer, rs, chat, name, o["stop"])
