@@ -232,23 +232,3 @@ def verify_or(compiled: Callable, eager: Callable) -> Callable:
             eager(rows, tokens, input_pos, kv_len, *rest, **sampling)
     return run
 
-
-def prefill_or(compiled: Callable, eager: Callable) -> Callable:
-    """A prefill step (generate.prefill) on the C++ step's rows, 32 positions a pass, where it decodes a batch of
-    one: each position then computes what decoding it alone does however the prompt is cut (the engine cuts prompts
-    into chunks and shares their blocks), and the products stay in the batch-invariant kernels. Else compiled."""
-    def run(model, idx, input_pos, left_pad, kv_len, **sampling):  # idx [1, S], input_pos [S] -> [1]
-        S, base = idx.size(1), int(input_pos[0])
-        rows = rows_for(model, idx[:, :1]) if left_pad is None and int(input_pos[-1]) == base + S - 1 else None
-        if rows is None:
-            return compiled(model, idx, input_pos, left_pad, kv_len, **sampling)
-
-        def pieces(idx, input_pos, left_pad, kv_len, last):  # as model(...) with last=True: [1, 1, V]
-            for i in range(0, S, cpu_gemv.MAX_ROWS):
-                piece, at = idx[0, i : i + cpu_gemv.MAX_ROWS], base + i
-                M = piece.numel()
-                mask = torch.ones(M, at + M, dtype=torch.bool).tril(at)  # [M, at + M]: causal
-                logits = rows.step.rows(piece, torch.arange(at, at + M), at, mask)  # [M, V]
-            return logits[None, -1:]
-        return eager(pieces, idx, input_pos, left_pad, kv_len, **sampling)
-    return run
