@@ -2,8 +2,9 @@
 
 Every step, finished requests leave and waiting ones join. The rows that are decoding advance one token each in one
 forward pass (every weight read once for all of them); prompts are prefilled in chunks within a token budget per
-step, so one long prompt never holds the others up for its whole prefill. When the pool runs out of blocks, the
-newest running request gives its blocks back and waits to be recomputed (preemption); a prompt whose leading blocks
+step, so one long prompt never holds the others up for its whole prefill. When the pool runs out of blocks, rows
+wait for one with their KV kept while the others go on; only when none could go on does the newest running request
+give its blocks back and wait to be recomputed (preemption). A prompt whose leading blocks
 some earlier request already filled starts from there (prefix sharing). Each request keeps its own sampling
 options, stop strings, end-of-sequence ids and grammar."""
 import time
@@ -94,7 +95,8 @@ class Engine:
         self.grammar_tokenizer = None
         self.computing: dict = {}  # hash of a full prompt block -> the admitted request that is computing it
         self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefilled=0, generated=0, preempted=0,
-                          peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in chunks
+                          waited=0, peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in
+        # chunks; waited: decoding rows that waited a step for a block
 
     # ---- requests ------------------------------------------------------------------------------------------------
 
@@ -162,15 +164,10 @@ class Engine:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's work: (request, tokens to compute). Decoding rows first, one token each, with a block for it
-        (preempting the newest request while the pool is empty); then prefill chunks of the running requests and of
-        newly admitted ones, oldest first, while budget and rows last."""
-        for r in [r for r in self.running if self.decoding(r)]:
-            while r in self.running and r.computed == len(r.blocks) * self.pool.block_size:
-                if self.pool.available():
-                    r.blocks.append(self.pool.take())
-                else:
-                    self.preempt(self.running[-1])
-        work = [(r, 1) for r in self.running if self.decoding(r)]
+        where it needs one, oldest first; then prefill chunks of the running requests and of newly admitted ones,
+        oldest first, while budget and rows last."""
+        short = self.give_blocks([r for r in self.running if self.decoding(r)])
+        work = [(r, 1) for r in self.running if self.decoding(r) and r not in short]
         left = self.budget - len(work)
         for r in self.running:
             if left > 0 and not self.decoding(r):
@@ -184,6 +181,20 @@ class Engine:
             work.append((r, n))
             left -= n
         return work
+
+    def give_blocks(self, rows: list[Request]) -> list[Request]:
+        """A block for each row whose blocks are full, oldest first: those the pool runs short for wait a step with
+        their KV kept (the rows that go on finish and give theirs back), unless no running request could go on: then
+        the newest gives its blocks back and is recomputed later (preemption). Returns the rows that wait."""
+        short = [r for r in rows if r.computed == len(r.blocks) * self.pool.block_size]
+        while short and self.pool.available():
+            short.pop(0).blocks.append(self.pool.take())
+        while short and len(short) == len(self.running):
+            self.preempt(short.pop())
+            while short and self.pool.available():
+                short.pop(0).blocks.append(self.pool.take())
+        self.stats["waited"] += len(short)
+        return short
 
     def decoding(self, r: Request) -> bool:  # its next token's input is its last one
         return r.computed == len(r.tokens) - 1

@@ -395,6 +395,32 @@ static inline void raise_max(float* row, float m, int64_t D) {
     case 5: F<D, 5>(__VA_ARGS__); break; case 4: F<D, 4>(__VA_ARGS__); break; case 3: F<D, 3>(__VA_ARGS__); break; \
     case 2: F<D, 2>(__VA_ARGS__); break; default: F<D, 1>(__VA_ARGS__); }
 
+// Where a task's K (or V) rows lie, D values each: position j at at(j), consecutive within every run of 16 positions
+// from a multiple of 16. A contiguous cache (blocks null), or a paged one read where it lies, with no copy: position
+// first + j in block blocks[(first + j) / bs] of the pool, stride values from one block to the next.
+struct Rows {
+    const uint16_t* p;
+    int64_t D, first = 0, n = 0;  // n: the positions held (paged), for the requests ahead
+    const int64_t* blocks = nullptr;
+    int64_t bs = 0, stride = 0;
+    const uint16_t* at(int64_t j) const {
+        if (!blocks) return p + j * D;
+        j += first;
+        return p + blocks[j / bs] * stride + j % bs * D;
+    }
+    Rows from(int64_t b) const {  // the same rows from position b on (paged: b a multiple of 16)
+        Rows r = *this;
+        if (blocks) r.first += b, r.n -= b;
+        else r.p += b * D;
+        return r;
+    }
+    const char* ahead(int64_t j, int64_t bytes) const {  // `bytes` past position j's row, or null past the rows held
+        if (!blocks) return (const char*)(p + j * D) + bytes;
+        const int64_t i = j + bytes / (2 * D);
+        return i < n ? (const char*)at(i) + bytes % (2 * D) : nullptr;
+    }
+};
+
 #ifdef __AVX512BF16__
 // With AVX512-BF16, dpbf16 multiplies bf16 pairs exactly into fp32: the scores and the weighted sum take half the
 // instructions of widening then an FMA, and K and V are never widened. The weights e^(s - m) are rounded to bf16 for
@@ -525,7 +551,7 @@ __attribute__((noinline)) static __m256 raise_max_bf16(__m512 s, __mmask16 seen,
 // vector after vector of every 16 positions, for `per` bytes more of next[0] and of next[1] (the next block's K and
 // V past what the reads ask for).
 template <int D, int P, int RT>
-static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n, float scale, const uint8_t* m,
+static inline void weights_bf16(const uint32_t* qv, const Rows& k, int64_t n, float scale, const uint8_t* m,
                                 int64_t r0, int64_t S, int64_t L, float* part, __m256& sums, uint16_t* w,
                                 int64_t far, const char* const* next, int64_t per) {
     constexpr int E = 16 / P;
@@ -541,7 +567,8 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
     __m512 mv = _mm512_permutexvar_ps(row_of, _mm512_load_ps(mr));
     __m512 top = _mm512_mul_ps(_mm512_add_ps(mv, _mm512_set1_ps(8.f)), _mm512_set1_ps(iscale));
     for (int64_t j = 0; j < n; j += 16) {
-        const uint16_t* kb = k + j * D;
+        const uint16_t* kb = k.at(j);
+        const char* ka = far ? k.ahead(j, far) : nullptr;
         if (n - j < 16) {
             memcpy(tail, kb, (n - j) * D * 2);
             memset(tail + (n - j) * D, 0, (16 - (n - j)) * D * 2);
@@ -552,8 +579,8 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
         for (int g = 0; g < D / 2 / E; g++) {
             const __m512i qg = _mm512_loadu_si512(qv + 16 * g);
             // the requests for K spread over the products: all 16 positions' at once were slower
-            if (far)
-                for (int e = 0; e < E; e++) _mm_prefetch((const char*)(k + j * D) + far + 64 * (g * E + e), KV_HINT);
+            if (ka)
+                for (int e = 0; e < E; e++) _mm_prefetch(ka + 64 * (g * E + e), KV_HINT);
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) acc[i] = dp(acc[i], kpairs<E>(kb + i * D + 2 * E * g), qg);
         }
@@ -607,21 +634,24 @@ static inline void weights_bf16(const uint32_t* qv, const uint16_t* k, int64_t n
 // sum waits on its previous dpbf16, and fewer of them leave the unit idle (8 rows keep one block a pass).
 // Asks for V `far` bytes ahead unless far is 0.
 template <int D, int P, int RT>
-static inline void pv_bf16(const uint16_t* p, const uint16_t* v, int64_t n, float* o, int64_t far) {
+static inline void pv_bf16(const uint16_t* p, const Rows& v, int64_t n, float* o, int64_t far) {
     constexpr int NB = RT * (D / 32) <= 8 ? D / 32 : 1, E = 16 / P;
     for (int d0 = 0; d0 < D; d0 += 32 * NB) {
         __m512 acc[RT][NB][2];
         for (int r = 0; r < RT; r++)
             for (int c = 0; c < NB; c++)
                 for (int i = 0; i < 2; i++) acc[r][c][i] = _mm512_loadu_ps(o + r * (D + 2) + d0 + 32 * c + 16 * i);
+        const uint16_t* run = nullptr;  // positions j - j % 16 on
         for (int64_t j = 0; j < n; j += 2) {
-            if (far && d0 == 0)
-                for (int i = 0; i < D / 16; i++) _mm_prefetch((const char*)(v + j * D) + far + 64 * i, KV_HINT);
-            const uint16_t* pj = p + j / E * 16 + j % E;  // row 0's weights at j and j + 1
+            if (j % 16 == 0) run = v.at(j);
+            const char* va = far && d0 == 0 ? v.ahead(j, far) : nullptr;
+            if (va)
+                for (int i = 0; i < D / 16; i++) _mm_prefetch(va + 64 * i, KV_HINT);
+            const uint16_t *pj = p + j / E * 16 + j % E, *vj = run + j % 16 * D;  // row 0's weights at j and j + 1
             for (int c = 0; c < NB; c++) {
                 const int d = d0 + 32 * c;
-                __m512i w0 = _mm512_loadu_si512(v + j * D + d);
-                __m512i w1 = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * D + d) : _mm512_setzero_si512();
+                __m512i w0 = _mm512_loadu_si512(vj + d);
+                __m512i w1 = j + 1 < n ? _mm512_loadu_si512(vj + D + d) : _mm512_setzero_si512();
                 __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
                 for (int r = 0; r < RT; r++) {
                     __m512i x = pair(pj + r * E);
@@ -696,9 +726,9 @@ static void gathered_row(const uint16_t* q, const uint16_t* k, const uint16_t* v
     const char* next[2] = {(const char*)kg.data(), (const char*)vg.data()};
     for (int64_t b = 0; b < n; b += BJ) {
         const int64_t nb = BJ < n - b ? BJ : n - b;
-        weights_bf16<D, P, 1>(qv.data(), kg.data() + b * D, nb, scale2, nullptr, 0, 1, 0, part, l, w.data(), 0,
+        weights_bf16<D, P, 1>(qv.data(), Rows{kg.data() + b * D, D}, nb, scale2, nullptr, 0, 1, 0, part, l, w.data(), 0,
                               next, 0);
-        pv_bf16<D, P, 1>(w.data(), vg.data() + b * D, nb, part + 2, 0);
+        pv_bf16<D, P, 1>(w.data(), Rows{vg.data() + b * D, D}, nb, part + 2, 0);
     }
     _mm256_store_ps(l8, l);
     for (int i = 0; i < E / 2; i++) lanes[i] = l8[i];
@@ -709,7 +739,7 @@ static void gathered_row(const uint16_t* q, const uint16_t* k, const uint16_t* v
 // of V, the weighted sum waited on V. The softmax is taken on the scores in weights_bf16's registers rather than in
 // a pass of its own over each block's scores. HOW_IT_WORKS.md, "Attention for a few query rows".
 template <int D>
-static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k, const uint16_t* v,
+static void attend_chunk_bf16(const uint16_t* q, float scale, const Rows& k, const Rows& v,
                               const uint8_t* mask, int64_t S, int64_t L, int64_t G, int64_t j0, int64_t j1,
                               float* part) {
     constexpr int64_t BJ = 4096 / D;  // positions per block: 8 KB of K and of V
@@ -728,23 +758,24 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const uint16_t* k,
     const uint8_t* m = lo < hi && sees_all(rows, S, L, lo, hi) ? nullptr : rows;
     // With 8 or more rows the softmax takes long enough for memory to go idle: the rows ask for shares of the next
     // block's K and V past KV_AHEAD as their weights come out. With fewer rows the rest of the block is short, and
-    // these requests would crowd the ones it makes.
+    // these requests would crowd the ones it makes. (Not over a paged cache: its next block lies elsewhere.)
     constexpr int64_t rest = BJ * D * 2 - KV_AHEAD, slots = BJ / 16 * 8;  // a slot: one of 8 vectors of scores
-    const int64_t per = R >= 8 ? (rest / 64 + slots - 1) / slots * 64 : 0;
+    const int64_t per = R >= 8 && !k.blocks ? (rest / 64 + slots - 1) / slots * 64 : 0;
     const float scale2 = scale * 1.44269504f;  // 2^(s log2(e)) = e^s
     for (int64_t b = lo; b < hi; b += BJ) {
         const int64_t nb = BJ < hi - b ? BJ : hi - b;
-        const char* next[2] = {(const char*)(k + (b + BJ) * D) + KV_AHEAD, (const char*)(v + (b + BJ) * D) + KV_AHEAD};
+        const char* next[2] = {k.ahead(b + BJ, KV_AHEAD), v.ahead(b + BJ, KV_AHEAD)};
+        const Rows kb = k.from(b), vb = v.from(b);
         for (int64_t r = 0; r < R; r += P)
-            BYP(weights_bf16, D, P, R - r < P ? R - r : P, &qv[r / P * 4 * D], k + b * D, nb, scale2, m ? m + b : m,
+            BYP(weights_bf16, D, P, R - r < P ? R - r : P, &qv[r / P * 4 * D], kb, nb, scale2, m ? m + b : m,
                 r, S, L, part + r * (D + 2), l[r / P], &pb[r * BJ], r ? 0 : KV_AHEAD, next, r ? 0 : per)
         for (int64_t r = 0; r < R; r += P)
-            BYP(pv_bf16, D, P, R - r < P ? R - r : P, &pb[r * BJ], v + b * D, nb, part + r * (D + 2) + 2,
+            BYP(pv_bf16, D, P, R - r < P ? R - r : P, &pb[r * BJ], vb, nb, part + r * (D + 2) + 2,
                 r ? 0 : KV_AHEAD)
     }
-    for (int64_t r = 0; r < R && !tree_from_.empty(); r++)  // a tree's nodes: the rest of their positions
+    for (int64_t r = 0; r < R && !tree_from_.empty(); r++)  // a tree's nodes (a contiguous cache's): the rest
         if (tree_from_[r % S] >= 0)
-            BYP(gathered_row, D, P, 1, q + r * D, k, v, mask + r % S * L, L, tree_from_[r % S], j1, scale2,
+            BYP(gathered_row, D, P, 1, q + r * D, k.p, v.p, mask + r % S * L, L, tree_from_[r % S], j1, scale2,
                 part + r * (D + 2), &ls[r / P * 8 + r % P * E / 2])
     for (int64_t r = 0; r < R; r++) {  // the merge's units: m in e's powers; a row's sum from its E / 2 lanes
         const int64_t t = r / P;
@@ -800,7 +831,7 @@ static inline int64_t chunk_of(int64_t D, int64_t slots, int64_t Hkv) {
 // What one task reads: k and v at its KV head's position 0 (rows of D contiguous), mask at its batch row's [S, L],
 // and its positions [j0, j1)
 struct TaskInput {
-    const uint16_t *k, *v;
+    Rows k, v;
     const uint8_t* mask;
     int64_t L, j0, j1;
 };
@@ -841,17 +872,17 @@ static void attend_tasks(const uint16_t* q, uint16_t* out, int64_t B, int64_t H,
             // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
             const int64_t q0 = (b * H + h * G) * S * D;
             const TaskInput in = input(b, h, c * chunk, c * chunk + chunk < L ? c * chunk + chunk : L);
-            const uint16_t *kt = in.k, *vt = in.v;
+            const uint16_t *kt = in.k.p, *vt = in.v.p;  // (attend_chunk: a contiguous cache)
             const uint8_t* mt = in.mask;
             const int64_t Lt = in.L, j0 = in.j0, j1 = in.j1;
             float* part = &parts[t * R * (D + 2)];
 #ifdef __AVX512BF16__
             const uint16_t* qb = q + q0;
             switch (D) {
-                case 64: attend_chunk_bf16<64>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
-                case 128: attend_chunk_bf16<128>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
-                case 256: attend_chunk_bf16<256>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
-                case 32: attend_chunk_bf16<32>(qb, scale, kt, vt, mt, S, Lt, G, j0, j1, part); return;
+                case 64: attend_chunk_bf16<64>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
+                case 128: attend_chunk_bf16<128>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
+                case 256: attend_chunk_bf16<256>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
+                case 32: attend_chunk_bf16<32>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
             }
 #endif
             const float* qt = qf + q0;
@@ -876,15 +907,15 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
                        int64_t mb) {
     const int64_t chunk = chunk_of(D, kh / D, Hkv);
     attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1) {
-        return TaskInput{k + b * kb + h * kh, v + b * kb + h * kh, mask + b * mb, L, j0, j1};
+        return TaskInput{Rows{k + b * kb + h * kh, D}, Rows{v + b * kb + h * kh, D}, mask + b * mb, L, j0, j1};
     });
 }
 
 // One task of attend_paged: the positions of [j0, j1) that batch row b's queries see (up to its furthest pos), of KV
-// head h, copied from their blocks into this thread's scratch with their mask rows, as positions 0 .. n - 1. No bit
-// changes: the chunk routines read only positions some row sees, in blocks counted from the first (j0: every mask
-// row is a prefix), and a chunk nobody sees adds nothing to the merge. A chunk is whole blocks (block_size divides
-// it): one memcpy a block for K and one for V.
+// head h, as positions 0 .. n - 1 with their mask rows. No bit changes: the chunk routines read only positions some
+// row sees, in blocks counted from the first (j0: every mask row is a prefix), and a chunk nobody sees adds nothing
+// to the merge. A chunk is whole blocks (block_size divides it). dpbf16's routine reads K and V where they lie, 16
+// positions at a time; attend_chunk (no AVX512-BF16, or D 16) reads a contiguous copy, one memcpy a block.
 static TaskInput paged_task(const uint16_t* kp, const uint16_t* vp, const int64_t* table, const int64_t* pos,
                             int64_t Hkv, int64_t S, int64_t D, int64_t W, int64_t bs, int64_t b, int64_t h,
                             int64_t j0, int64_t j1) {
@@ -894,15 +925,22 @@ static TaskInput paged_task(const uint16_t* kp, const uint16_t* vp, const int64_
     int64_t end = j0;  // past the furthest position a row sees, in [j0, j1]
     for (int64_t s = 0; s < S; s++) end = p[s] + 1 > end ? p[s] + 1 : end;
     const int64_t n = (end < j1 ? end : j1) - j0;
-    kc.resize(n * D), vc.resize(n * D), mc.resize(S * n);
+    mc.resize(S * n);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t j = 0; j < n; j++) mc[s * n + j] = j0 + j <= p[s];
+    const int64_t* blocks = table + b * W + j0 / bs;
+    if (!fp32_chunks(D)) {
+        const int64_t stride = Hkv * bs * D;
+        return TaskInput{Rows{kp + h * bs * D, D, 0, n, blocks, bs, stride},
+                         Rows{vp + h * bs * D, D, 0, n, blocks, bs, stride}, mc.data(), n, 0, n};
+    }
+    kc.resize(n * D), vc.resize(n * D);
     for (int64_t j = 0; j < n; j += bs) {
-        const int64_t at = (table[b * W + (j0 + j) / bs] * Hkv + h) * bs * D, m = bs < n - j ? bs : n - j;
+        const int64_t at = (blocks[j / bs] * Hkv + h) * bs * D, m = bs < n - j ? bs : n - j;
         memcpy(&kc[j * D], kp + at, m * D * sizeof(uint16_t));
         memcpy(&vc[j * D], vp + at, m * D * sizeof(uint16_t));
     }
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t j = 0; j < n; j++) mc[s * n + j] = j0 + j <= p[s];
-    return TaskInput{kc.data(), vc.data(), mc.data(), n, 0, n};
+    return TaskInput{Rows{kc.data(), D}, Rows{vc.data(), D}, mc.data(), n, 0, n};
 }
 
 // attend for B rows over a paged cache: k and v pools [n_blocks, Hkv, bs, D], table [B, W] each row's blocks in

@@ -214,33 +214,39 @@ static inline void nibbles(const uint8_t* w, __m512i* lo, __m512i* hi) {
 }
 
 // n <= 8 groups' products in 512-bit steps, added to acc: each step's 16 int32 sums converted and scaled where they
-// lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's; G 32: four lanes a group), with no
-// horizontal sums: quicker than summing each group's lanes first, and than 256-bit steps for G 32 (GGUF's Q4_0 and
-// Q4_1); HOW_IT_WORKS.md, "The int8 and int4 products". R rows of x at once (x[r], its 8 groups' scale x d sd[r],
-// added to acc[r]): each weight vector loaded and split into nibbles serves all R, and each row's sums run exactly
-// as they would alone.
-template <int G, int R>
-static inline void group_products_wide(const uint8_t* w, const int8_t* const* x, int n, const __m256* sd,
-                                       __m512* acc) {
-    __m512 s[R];
-    for (int r = 0; r < R; r++) s[r] = _mm512_castps256_ps512(sd[r]);
-    __m512i lo, hi;
+// lie (G 64: lanes 0-7 by the first group's scale x d, 8-15 by the second's; G 32: four lanes a group; G 128 or more:
+// the group's scale broadcast from memory in the FMA), with no horizontal sums: quicker than summing each group's
+// lanes first, and than 256-bit steps for G 32 (GGUF's Q4_0 and Q4_1); HOW_IT_WORKS.md, "The int8 and int4
+// products". A tile of W weight rows (w[v]) by R rows of x (x[r]; sd[v][r] the 8 groups' scale x d of the pair,
+// added to acc[v][r]): each weight vector loaded and split into nibbles serves all R rows of x, each x vector loaded
+// all W weight rows, and every pair's sums run exactly as they would alone.
+template <int G, int W, int R>
+static inline void group_products_wide(const uint8_t* const* w, const int8_t* const* x, int n, const __m256 (*sd)[R],
+                                       __m512 (*acc)[R]) {
+    __m512i lo[W], hi[W];
     if constexpr (G >= 128) {
+        alignas(32) float sm[W][R][8];
+        for (int v = 0; v < W; v++)
+            for (int r = 0; r < R; r++) _mm256_store_ps(sm[v][r], sd[v][r]);
         for (int i = 0; i < n; i++) {
-            __m512i a[R];
-            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            __m512i a[W][R];
+            for (int v = 0; v < W; v++)
+                for (int r = 0; r < R; r++) a[v][r] = _mm512_setzero_si512();
             for (int j = 0; j < G / 128; j++) {
-                ahead(w + i * G / 2 + 64 * j, AHEAD4);
-                nibbles(w + i * G / 2 + 64 * j, &lo, &hi);
+                for (int v = 0; v < W; v++) {
+                    ahead(w[v] + i * G / 2 + 64 * j, AHEAD4);
+                    nibbles(w[v] + i * G / 2 + 64 * j, &lo[v], &hi[v]);
+                }
                 for (int r = 0; r < R; r++) {
                     const int8_t* xr = x[r] + i * G + 128 * j;
-                    a[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[r], lo, _mm512_loadu_si512(xr)), hi,
-                                               _mm512_loadu_si512(xr + 64));
+                    const __m512i xe = _mm512_loadu_si512(xr), xo = _mm512_loadu_si512(xr + 64);
+                    for (int v = 0; v < W; v++)
+                        a[v][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[v][r], lo[v], xe), hi[v], xo);
                 }
             }
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_permutexvar_ps(_mm512_set1_epi32(i), s[r]),
-                                         acc[r]);
+            for (int v = 0; v < W; v++)
+                for (int r = 0; r < R; r++)
+                    acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[v][r]), _mm512_set1_ps(sm[v][r][i]), acc[v][r]);
         }
         return;
     }
@@ -248,30 +254,41 @@ static inline void group_products_wide(const uint8_t* w, const int8_t* const* x,
     constexpr int per = 128 / G;
     int i = 0;
     for (; i + per <= n; i += per) {
-        ahead(w + G / 2 * i, AHEAD4);
-        nibbles(w + G / 2 * i, &lo, &hi);
+        for (int v = 0; v < W; v++) {
+            ahead(w[v] + G / 2 * i, AHEAD4);
+            nibbles(w[v] + G / 2 * i, &lo[v], &hi[v]);
+        }
         const __m512i pick = G == 32 ? _mm512_add_epi32(_mm512_set1_epi32(i), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1,
                                                                                                  2, 2, 2, 2, 3, 3, 3, 3))
                                      : _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(i + 1), 1);
         for (int r = 0; r < R; r++) {
             const int8_t* xr = x[r] + G * i;
-            const __m512i a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                                                      _mm512_loadu_si512(xr)),
-                                                  hi, _mm512_loadu_si512(xr + 64));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_permutexvar_ps(pick, s[r]), acc[r]);
+            const __m512i xe = _mm512_loadu_si512(xr), xo = _mm512_loadu_si512(xr + 64);
+            for (int v = 0; v < W; v++) {
+                const __m512i a = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[v], xe), hi[v],
+                                                      xo);
+                acc[v][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a),
+                                            _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(sd[v][r])), acc[v][r]);
+            }
         }
     }
     if (i < n) {  // G 32 or 64 with K 64 short of a multiple of 128: the row's last 64 weights (x in 64's order there)
         const __m256i pick = G == 32 ? _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1) : _mm256_set1_epi32(i);
-        const __m256i nib = _mm256_set1_epi8(15), v = _mm256_loadu_si256((const __m256i*)(w + G / 2 * i));
-        const __m256i lo4 = _mm256_and_si256(v, nib), hi4 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        const __m256i nib = _mm256_set1_epi8(15);
+        __m256i lo4[W], hi4[W];
+        for (int v = 0; v < W; v++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i*)(w[v] + G / 2 * i));
+            lo4[v] = _mm256_and_si256(b, nib), hi4[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+        }
         for (int r = 0; r < R; r++) {
             const int8_t* xr = x[r] + G * i;
-            const __m256i a = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo4,
-                                                                      _mm256_loadu_si256((const __m256i*)xr)),
-                                                  hi4, _mm256_loadu_si256((const __m256i*)(xr + 32)));
-            const __m256 half = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_permutexvar_ps(pick, sd[r]));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(half));
+            const __m256i xe = _mm256_loadu_si256((const __m256i*)xr), xo = _mm256_loadu_si256((const __m256i*)(xr + 32));
+            for (int v = 0; v < W; v++) {
+                const __m256i a = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo4[v], xe), hi4[v],
+                                                      xo);
+                const __m256 half = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_permutexvar_ps(pick, sd[v][r]));
+                acc[v][r] = _mm512_add_ps(acc[v][r], _mm512_zextps256_ps512(half));
+            }
         }
     }
 }
@@ -314,37 +331,40 @@ static inline void group_scales(__m256 s, __m256 z, const XQ& p, int64_t g0, __m
 
 #if WIDE
 // dot_i4 in AVX-512 VNNI steps of 128 weights (x in even-odd order by 128), their float work per step
-// (group_products_wide), for R rows of x at once: each weight row's scales and zeros widened once for all R, each
-// row's sums run exactly as they would alone. out[r]: 8 lanes that add up to the product of x row r (p[r]).
-template <int G, int R>
-static inline void dot_i4_wide(const XQ* const* p, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
-                               int64_t K, __m256* out) {
-    __m256 rest[R];
-    __m512 wacc[R];
-    for (int r = 0; r < R; r++) rest[r] = _mm256_setzero_ps(), wacc[r] = _mm512_setzero_ps();
+// (group_products_wide), for a tile of W weight rows (w[v], scales[v], zeros[v]) by R rows of x (p[r]): each weight
+// row's scales and zeros widened once for all R, each pair's sums run exactly as they would alone. out[v][r]: 8
+// lanes that add up to the product of x row r and weight row v.
+template <int G, int W, int R>
+static inline void dot_i4_wide(const XQ* const* p, const uint8_t* const* w, const uint16_t* const* scales,
+                               const uint16_t* const* zeros, int64_t K, __m256 (*out)[R]) {
+    __m256 rest[W][R];
+    __m512 wacc[W][R];
+    for (int v = 0; v < W; v++)
+        for (int r = 0; r < R; r++) rest[v][r] = _mm256_setzero_ps(), wacc[v][r] = _mm512_setzero_ps();
     const int64_t groups = K / G;
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-        __m256 sd[R];  // scale * d per group
-        if (g0 + 8 <= groups) {
-            const __m256 s = widen8(scales + g0), z = widen8(zeros + g0);
-            for (int r = 0; r < R; r++) group_scales(s, z, *p[r], g0, &sd[r], &rest[r]);
-        } else {  // the last few groups, masked: nothing read past the row (p's d, c, sum are 0 there)
-            const __mmask8 live = (__mmask8)((1u << (groups - g0)) - 1);
-            const __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales + g0));
-            const __m256 z = widen8(_mm_maskz_loadu_epi16(live, zeros + g0));
-            for (int r = 0; r < R; r++) group_scales(s, z, *p[r], g0, &sd[r], &rest[r]);
+        __m256 sd[W][R];  // scale * d per group
+        const __mmask8 live = (__mmask8)(g0 + 8 <= groups ? 0xff : (1u << (groups - g0)) - 1);
+        for (int v = 0; v < W; v++) {  // the last few groups masked: nothing read past the row (p's d, c, sum are 0)
+            const __m256 s = widen8(_mm_maskz_loadu_epi16(live, scales[v] + g0));
+            const __m256 z = widen8(_mm_maskz_loadu_epi16(live, zeros[v] + g0));
+            for (int r = 0; r < R; r++) group_scales(s, z, *p[r], g0, &sd[v][r], &rest[v][r]);
         }
         const int n = groups - g0 < 8 ? groups - g0 : 8;
         const int8_t* x[R];
+        const uint8_t* wg[W];
         for (int r = 0; r < R; r++) x[r] = &p[r]->q[g0 * G];
+        for (int v = 0; v < W; v++) wg[v] = w[v] + g0 * G / 2;
         // a constant 8 unrolls the steps, which n alone does not
-        if (G <= 64 && n == 8) group_products_wide<G, R>(w + g0 * G / 2, x, 8, sd, wacc);
-        else group_products_wide<G, R>(w + g0 * G / 2, x, n, sd, wacc);
+        if (G <= 64 && n == 8) group_products_wide<G, W, R>(wg, x, 8, sd, wacc);
+        else group_products_wide<G, W, R>(wg, x, n, sd, wacc);
     }
-    for (int r = 0; r < R; r++)
-        out[r] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(wacc[r]),
-                                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc[r]), 1))),
-                               rest[r]);
+    for (int v = 0; v < W; v++)
+        for (int r = 0; r < R; r++)
+            out[v][r] = _mm256_add_ps(
+                _mm256_add_ps(_mm512_castps512_ps256(wacc[v][r]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wacc[v][r]), 1))),
+                rest[v][r]);
 }
 #else
 template <int G>
@@ -569,25 +589,34 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
 }
 
 // R rows of x (m on) over weight rows n0 .. n0 + 7 (the first `rows` of them stored; past N: row n0 again), the 8
-// rows' sums reduced together rather than each at the end of its row
+// rows' sums reduced together rather than each at the end of its row. With VNNI two weight rows at a time: each x
+// vector loaded serves both.
 template <int G, int R>
 static inline void rows_i4(const XQ* xq, int64_t m, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                            void* y, int64_t N, int64_t K, int64_t n0, int64_t rows, int64_t f32) {
     __m256 t[R][8];
+#if WIDE
+    constexpr int W = 2;
+    const XQ* xr[R];
+    for (int j = 0; j < R; j++) xr[j] = xq + m + j;
+    for (int64_t i = 0; i < 8; i += W) {
+        const uint8_t* wn[W];
+        const uint16_t *sn[W], *zn[W];
+        for (int v = 0; v < W; v++) {
+            const int64_t n = n0 + (i + v < rows ? i + v : 0);
+            wn[v] = w + n * K / 2, sn[v] = scales + n * (K / G), zn[v] = zeros + n * (K / G);
+        }
+        __m256 o[W][R];
+        dot_i4_wide<G, W, R>(xr, wn, sn, zn, K, o);
+        for (int v = 0; v < W; v++)
+            for (int j = 0; j < R; j++) t[j][i + v] = o[v][j];
+    }
+#else
     for (int64_t i = 0; i < 8; i++) {
         const int64_t n = n0 + (i < rows ? i : 0);
-        const uint8_t* wn = w + n * K / 2;
-        const uint16_t *sn = scales + n * (K / G), *zn = zeros + n * (K / G);
-#if WIDE
-        const XQ* xr[R];
-        __m256 o[R];
-        for (int j = 0; j < R; j++) xr[j] = xq + m + j;
-        dot_i4_wide<G, R>(xr, wn, sn, zn, K, o);
-        for (int j = 0; j < R; j++) t[j][i] = o[j];
-#else
-        t[0][i] = dot_i4<G>(xq[m], wn, sn, zn, K);
-#endif
+        t[0][i] = dot_i4<G>(xq[m], w + n * K / 2, scales + n * (K / G), zeros + n * (K / G), K);
     }
+#endif
     for (int j = 0; j < R; j++) put8(y, (m + j) * N + n0, sum8x8(t[j]), rows, f32);
 }
 

@@ -90,6 +90,14 @@ def test_a_full_pool_preempts_the_newest_request_and_recomputes_it(model, expect
     assert [r.out for r in done] == want and pool_is_whole(engine)
 
 
+def test_a_row_short_of_a_block_waits_for_one_rather_than_being_recomputed(model):
+    a, b = prompts(12, 1, 15, 15)[0], prompts(13, 1, 9, 9)[0]
+    engine = Engine(model, blocks=5, block_size=8)  # b's third block is a's third until a finishes
+    done = engine.run([Request(a, max_new_tokens=10), Request(b, max_new_tokens=12)])
+    assert engine.stats["preempted"] == 0 and engine.stats["waited"] > 0
+    assert [r.out for r in done] == [alone(model, a, 10), alone(model, b, 12)] and pool_is_whole(engine)
+
+
 def test_a_shared_system_prompt_is_prefilled_once(model):
     system = prompts(3, 1, 500, 500)[0]
     questions = prompts(4, 32, 5, 20)
