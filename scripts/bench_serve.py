@@ -5,7 +5,9 @@ request is a random token-id prompt streamed back from /v1/completions with exac
 the same requests at a rate, and every rate the same lengths and arrival pattern (scaled to the rate) with prompts
 that no server has seen before, so no prefix cache answers them. Reported per server and rate: output tokens per
 second over the run (first send to last answer), time to first token and inter-token latency (p50, p99), completed
-requests per second, and errors (a request that fails, or answers other than the tokens asked).
+requests per second, and errors (a request that fails, or answers other than the tokens asked). Then per server the
+highest rate it held, with p99 time to first token within --ttft_slo and no errors, and its output tokens per second
+there against llama.cpp's at the highest rate llama.cpp held: what each serves within that objective.
 
 By default it starts our serve.py and llama.cpp's llama-server on the same weights (GGUF Q8_0 for int8, Q4_0 for
 int4), each on a free local port with as many rows / slots of continuous batching (--slots) and CPU threads
@@ -319,6 +321,36 @@ def print_table(results: dict):
                   f"{r['max_send_lag_ms']:.0f} ms late (the client was short of CPU)")
 
 
+def held(runs: list[dict], slo_s: float) -> dict:
+    """Per model and server, the run at the highest rate whose p99 time to first token stayed within slo_s with no
+    errors: the load it serves within that objective (its capacity, among the rates run)."""
+    best = {}
+    for r in runs:
+        if r["errors"] == 0 and r["ttft_p99_ms"] is not None and r["ttft_p99_ms"] <= 1e3 * slo_s:
+            key = (r["model"], r["server"])
+            if key not in best or r["rate"] > best[key]["rate"]:
+                best[key] = r
+    return best
+
+
+def print_held(results: dict):
+    best, slo = held(results["runs"], results["ttft_slo_s"]), results["ttft_slo_s"]
+    print(f"\nthe highest rate each server held with p99 time to first token within {slo:g} s and no errors\n")
+    print("| model | server | rate req/s | output tok/s | TTFT p99 ms | output tok/s over llama.cpp's |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for model in dict.fromkeys(r["model"] for r in results["runs"]):
+        servers = dict.fromkeys(r["server"] for r in results["runs"] if r["model"] == model)
+        for side in servers:
+            r, peer = best.get((model, side)), best.get((model, "llama.cpp"))
+            if r is None:
+                print(f"| {model} | {side} | none of {', '.join(f'{x:g}' for x in results['rates'])} | - | - | - |")
+                continue
+            ratio = f"{r['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}x" if peer and side != "llama.cpp" \
+                else "-"
+            print(f"| {model} | {side} | {r['rate']:g} | {r['output_tokens_per_s']:.1f} | {r['ttft_p99_ms']:.0f} "
+                  f"| {ratio} |")
+
+
 # ---- command line --------------------------------------------------------------------------------------------------
 
 def positive_rate(text: str) -> float:
@@ -353,6 +385,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "next bytes before it counts as an error")
     p.add_argument("--llama_cpp", type=Path, help="a folder holding llama-server and llama-quantize (default: "
                    "built once from the llama-cpp-python source package, about 10 minutes on 2 cores)")
+    p.add_argument("--ttft_slo", type=positive_rate, default=2.0, metavar="SECONDS", help="the objective for "
+                   "the summary of the highest rate each server held: p99 time to first token within this")
     p.add_argument("--json", type=Path, default=Path("bench_serve.json"), help="where to write the figures")
     args = cli.one_line_errors(p).parse_args(argv)
     if args.lengths[0] > args.lengths[1]:
@@ -384,7 +418,7 @@ def main(argv=None):
     args = parse_args(argv)
     cli.check_output_file(args.json, "--json", '"itl_p99_ms"')
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "requests": args.requests, "lengths": args.lengths,
-               "seed": args.seed, "rates": args.rates, "servers": {}, "runs": []}
+               "seed": args.seed, "rates": args.rates, "ttft_slo_s": args.ttft_slo, "servers": {}, "runs": []}
     if args.url:
         results["url"] = args.url
         results["runs"], _ = bench_url(args)
@@ -401,6 +435,9 @@ def main(argv=None):
                 results["runs"] += runs
                 results["servers"][name] = commands
     print_table(results)
+    print_held(results)
+    results["held"] = [{"model": m, "server": side, "rate": r["rate"], "output_tokens_per_s": r["output_tokens_per_s"]}
+                       for (m, side), r in held(results["runs"], args.ttft_slo).items()]
     cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(results, indent=1)))
     print(f"\nwrote {args.json}")
 

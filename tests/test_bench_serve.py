@@ -17,7 +17,7 @@ from fake_llama_server import FakeServer, executable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_serve import arrivals, main, run_load, stream_completion, summarize  # noqa: E402
+from bench_serve import arrivals, held, main, run_load, stream_completion, summarize  # noqa: E402
 from llama_server import free_port  # noqa: E402
 
 SLACK_S = 0.1  # how late a thread of ours may run on a busy 2-core machine
@@ -73,6 +73,16 @@ def test_the_figures_of_a_run():
     assert out["ttft_p50_ms"] == pytest.approx(350) and out["ttft_p99_ms"] == pytest.approx(497)  # 200 and 500
     assert out["itl_p50_ms"] == pytest.approx(100) and out["itl_p99_ms"] == pytest.approx(198)  # 100, 200, 100
     assert out["tpot_p50_ms"] == pytest.approx(150) and out["latency_p50_ms"] == pytest.approx(575)  # 150 each
+
+
+def test_the_rate_a_server_held_is_the_highest_within_the_ttft_objective_and_without_errors():
+    run = lambda side, rate, p99, tok, errors=0: {"model": "m", "server": side, "rate": rate,  # noqa: E731
+                                                  "ttft_p99_ms": p99, "output_tokens_per_s": tok, "errors": errors}
+    runs = [run("ours", 1, 300, 100), run("ours", 2, 1900, 190), run("ours", 3, 2100, 240),
+            run("llama.cpp", 1, 900, 98), run("llama.cpp", 2, 400, 150, errors=1), run("llama.cpp", 3, None, 0)]
+    best = held(runs, 2.0)
+    assert best[("m", "ours")]["rate"] == 2 and best[("m", "llama.cpp")]["rate"] == 1
+    assert held(runs, 0.2) == {}
 
 
 def test_a_server_answering_fewer_tokens_than_asked_or_none_is_an_error():
