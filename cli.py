@@ -313,7 +313,9 @@ def generate_parser(doc: str) -> argparse.ArgumentParser:
                    "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
     p.add_argument("--compile", action="store_true", help='compile the decode step (fullgraph): CUDA graphs on a GPU '
                    '(mode="reduce-overhead"); on a CPU, batch-1 decoding as one C++ call on the kernels '
-                   '(cpu_step.py), anything else through a C++ wrapper; the compile time is reported apart')
+                   '(cpu_step.py) and, with AVX512-BF16, its prompt in pieces of 128 positions (32 with int4 '
+                   'weights), anything else through a C++ wrapper; '
+                   'the compile time is reported apart')
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill, with dynamic shapes "
                    "(one compilation serves every prompt length)")
     p.add_argument("--max_seq_length", type=positive_int, help="KV cache length (default: longest prompt + "

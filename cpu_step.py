@@ -44,6 +44,9 @@ class Step:
         # so that setup_caches can free an old cache before it allocates the new one
         self.model, self.cpp = model, cpp
         self.logits, self.many = torch.empty(1, model.args.vocab_size), torch.empty(0, model.args.vocab_size)
+        # positions of a prompt a pass: the bf16 and int8 products compute each row as alone for any number of rows,
+        # the int4 one for up to 32 (more go to a GEMM's tiles)
+        self.piece = 32 if any(type(m) is cpu_gemv.GemvInt4 for m in model.modules()) else 128
 
     def check(self, token: int, pos: int, n: int = 1):
         if not (0 <= token < self.logits.size(1) and 0 <= pos and pos + n <= self.model.max_seq_length):
@@ -65,17 +68,18 @@ class Step:
         self.check(token, pos)
         return self.cpp.step_greedy(token, pos, self.logits)
 
-    def rows(self, tokens: Tensor, pos: Tensor, base: int, mask: Tensor) -> Tensor:  # [M], [M], [M, base + M] -> [M, V]
-        """A verify pass: the logits [M, V] float32 of tokens at slots base .. base + M - 1, at RoPE positions pos,
-        row i attending to the slots mask[i] holds; each row as the step computes it alone (the kernels are
-        batch-invariant), in a buffer the next call rewrites."""
+    def rows(self, tokens: Tensor, pos: Tensor, base: int, mask: Tensor, last: bool = False) -> Tensor:
+        """A verify pass: the logits [M, V] float32 of tokens [M] at slots base .. base + M - 1, at RoPE positions pos
+        [M], row i attending to the slots mask[i] holds ([M, base + M]); each row as the step computes it alone (the
+        kernels are batch-invariant), in a buffer the next call rewrites. last: the last row's alone, [1, V]."""
         M = tokens.numel()
         self.check(int(tokens.min()), base, M)
         self.check(int(tokens.max()), base, M)
         if self.many.size(0) < M:
             self.many = torch.empty(M, self.logits.size(1))
-        self.cpp.rows(tokens.contiguous(), pos.contiguous(), base, mask.contiguous(), self.many)
-        return self.many[:M]
+        out = self.logits if last and M > 1 else self.many
+        self.cpp.rows(tokens.contiguous(), pos.contiguous(), base, mask.contiguous(), out)
+        return out if last and M > 1 else self.many[:M]
 
     def greedy_loop(self, token: int, pos: int, out: Tensor, eos: Optional[Tensor]) -> int:
         """Greedy decoding from token at slot pos into out [n] int64, a step a token, each fed the last pick: until
@@ -232,3 +236,26 @@ def verify_or(compiled: Callable, eager: Callable) -> Callable:
             eager(rows, tokens, input_pos, kv_len, *rest, **sampling)
     return run
 
+
+def prefill_or(compiled: Callable, eager: Callable) -> Callable:
+    """A prefill step (generate.prefill) on the C++ step's rows, Step.piece positions a pass, where it decodes a batch
+    of one and the kernels have dpbf16 (their tiles then match torch's GEMM for speed): each position computes what
+    decoding it alone does however the prompt is cut (the engine cuts prompts into chunks and shares their blocks),
+    the products staying in the batch-invariant kernels. Else compiled."""
+    def run(model, idx, input_pos, left_pad, kv_len, **sampling):  # idx [1, S], input_pos [S] -> [1]
+        S, base = idx.size(1), int(input_pos[0])
+        whole = left_pad is None and int(input_pos[-1]) == base + S - 1 and "bf16" in cpu_gemv.kernels
+        rows = rows_for(model, idx[:, :1]) if whole else None
+        if rows is None:
+            return compiled(model, idx, input_pos, left_pad, kv_len, **sampling)
+
+        def pieces(idx, input_pos, left_pad, kv_len, last):  # as model(...) with last=True: [1, 1, V]
+            size = rows.step.piece
+            for i in range(0, S, size):
+                piece, at = idx[0, i : i + size], base + i
+                M = piece.numel()
+                mask = torch.ones(M, at + M, dtype=torch.bool).tril(at)  # [M, at + M]: causal
+                logits = rows.step.rows(piece, torch.arange(at, at + M), at, mask, last=True)  # [1, V]
+            return logits[None, -1:]
+        return eager(pieces, idx, input_pos, left_pad, kv_len, **sampling)
+    return run

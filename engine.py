@@ -288,13 +288,13 @@ class Engine:
         return self.logits[: len(rows)]
 
     def prefill(self, r: Request, chunk: list[int]):  # -> [1, V]
-        """The logits after a chunk of r's prompt, whose K and V it writes: in C++ pieces of 32 tokens where the step
-        runs the model (each token then computed as alone, however the prompt is cut), else model.py's forward."""
+        """The logits after a chunk of r's prompt, whose K and V it writes: in C++ pieces (Step.piece tokens) where
+        the step runs the model (each token then computed as alone, however the prompt is cut), else model.py's."""
         if self.cpp is None:
             return self.forward([r], [chunk], last=True)[:, -1]
         table, logits = torch.tensor([r.blocks]), torch.empty(1, self.logits.size(1))  # [1, W], [1, V]
-        for i in range(0, len(chunk), 32):
-            piece = chunk[i : i + 32]
+        for i in range(0, len(chunk), self.cpp.piece):
+            piece = chunk[i : i + self.cpp.piece]
             pos = torch.arange(r.computed + i, r.computed + i + len(piece))[None]  # [1, S]
             self.cpp.cpp.paged(torch.tensor([piece]), pos, table, logits)
         return logits

@@ -208,13 +208,13 @@ def cpu_greedy_loop(model, out, pos: int, left_pad, eos, **sampling) -> Optional
 
 
 def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
-    """Every step, compiled if asked (torch.compile is lazy: a step never called costs nothing); compiled, a
-    CPU model's batch-1 decoding runs the C++ step."""
+    """Every step, compiled if asked (lazily); compiled, a CPU model's batch-1 prefill and decoding run in C++."""
     step = compile_step if compile else (lambda f: f)
     first = compile_prefill if compile_prefill_too else (lambda f: f)
-    import cpu_step  # verify passes on its rows where it decodes: they compute what its decode step does
+    import cpu_step  # prefill and verify passes on its rows where it decodes: they compute what decoding does
     rows = (lambda f: cpu_step.verify_or(step(f), f)) if compile else step
-    return Steps(first(prefill), cpu_or(step(decode_one_token)) if compile else decode_one_token,
+    pre = (lambda f: cpu_step.prefill_or(first(f), f)) if compile else first
+    return Steps(pre(prefill), cpu_or(step(decode_one_token)) if compile else decode_one_token,
                  first(decode_logits), step(decode_logits), step(pick), step(draft_step), rows(verify),
                  rows(tree_probs), step(draft_probs), cpu_greedy_loop if compile else None)
 

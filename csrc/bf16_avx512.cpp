@@ -14,19 +14,57 @@ typedef uint16_t xbf16;
 #ifndef AHEAD_BF16
 #define AHEAD_BF16 0
 #endif
-static inline float dot(const uint16_t* x, const uint16_t* w, int64_t K) {
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t k = 0;
-    for (; k + 128 <= K; k += 128)  // 4 chains in flight, the row read front to back
-        for (int c = 0; c < 4; c++) {
-            if (AHEAD_BF16) _mm_prefetch((const char*)(w + k + 32 * c) + AHEAD_BF16, _MM_HINT_T2);
-            a[c] = dp(a[c], _mm512_loadu_si512(w + k + 32 * c), _mm512_loadu_si512(x + k + 32 * c));
+// E vectors' lanes l and l ^ H summed, two vectors into one: lanes with bit H clear from a, set from b
+template <int H>
+static inline __m512 fold(__m512 a, __m512 b) {
+    constexpr __mmask16 set = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
+    const __m512 x = _mm512_mask_blend_ps(set, a, b), y = _mm512_mask_blend_ps(set, b, a);
+    if constexpr (H == 1) return _mm512_add_ps(x, _mm512_permute_ps(y, 0xb1));
+    else if constexpr (H == 2) return _mm512_add_ps(x, _mm512_permute_ps(y, 0x4e));
+    else if constexpr (H == 4) return _mm512_add_ps(x, _mm512_shuffle_f32x4(y, y, 0xb1));
+    else return _mm512_add_ps(x, _mm512_shuffle_f32x4(y, y, 0x4e));
+}
+
+// A tile of 8 weight rows (w[v]) by R rows of x (x[r]), K long: out[r] lane v = x row r . w row v. Each pair is one
+// chain of dpbf16 over steps of 32 pairs (the last masked to 16 where K is an odd multiple of 16), its 16 lanes
+// then summed as (l, l ^ 8), (l, l ^ 4), (l, l ^ 2), (l, l ^ 1), folded 8 weight rows together: the same bits
+// whatever the tile, so a row's product does not depend on the rows beside it (batch invariance). Each weight vector
+// loaded serves R rows of x and each x vector 8 weight rows, 8 R sums in flight. ahead: ask for the weights
+// AHEAD_BF16 bytes ahead (the first tile over them; the next ones find them in cache).
+template <int R>
+static inline void tile8(const uint16_t* const* x, const uint16_t* const* w, int64_t K, __m256* out, bool ahead) {
+    __m512 acc[R][8];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) acc[r][v] = _mm512_setzero_ps();
+    auto step = [&](int64_t k, __mmask32 m, bool pre) {
+        __m512i xv[R];
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) xv[r] = _mm512_maskz_loadu_epi16(m, x[r] + k);
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) {
+            if (pre) _mm_prefetch((const char*)(w[v] + k) + AHEAD_BF16, _MM_HINT_T2);
+            const __m512i wv = _mm512_maskz_loadu_epi16(m, w[v] + k);
+#pragma GCC unroll 3
+            for (int r = 0; r < R; r++) acc[r][v] = dp(acc[r][v], wv, xv[r]);
         }
-    for (; k < K; k += 32) {  // K is a multiple of 16: the last step may be half a vector, masked to zeros
-        __mmask32 m = K - k >= 32 ? 0xffffffffu : 0xffffu;
-        a[0] = dp(a[0], _mm512_maskz_loadu_epi16(m, w + k), _mm512_maskz_loadu_epi16(m, x + k));
+    };
+    int64_t k = 0;
+    if (AHEAD_BF16 && ahead)
+        for (; k + 32 <= K; k += 32) step(k, 0xffffffffu, true);
+    else
+        for (; k + 32 <= K; k += 32) step(k, 0xffffffffu, false);
+    if (k < K) step(k, 0xffffu, false);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) {
+        __m512 a[4], b[2];
+        for (int i = 0; i < 4; i++) a[i] = fold<8>(acc[r][i], acc[r][i + 4]);
+        for (int i = 0; i < 2; i++) b[i] = fold<4>(a[i], a[i + 2]);
+        const __m512 c = fold<2>(b[0], b[1]);  // lanes 2v, 2v + 1: weight row v's last two partial sums
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+        out[r] = _mm512_castps512_ps256(_mm512_permutexvar_ps(even, fold<1>(c, c)));
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 #else
 typedef float xbf16;
@@ -44,16 +82,56 @@ static inline float dot(const float* x, const uint16_t* w, int64_t K) {
 }
 #endif
 
+#ifdef __AVX512BF16__
+// tile8's sum for one row of x and one weight row, the same bits (_mm512_reduce_add_ps adds lanes l and l ^ 8, then
+// l ^ 4, l ^ 2, l ^ 1, as the folds do): a lone row of x takes the weight rows one at a time, one stream through
+// memory, quicker there than 8 rows read side by side
+static inline float dot1(const uint16_t* x, const uint16_t* w, int64_t K) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        if (AHEAD_BF16) _mm_prefetch((const char*)(w + k) + AHEAD_BF16, _MM_HINT_T2);
+        acc = dp(acc, _mm512_loadu_si512(w + k), _mm512_loadu_si512(x + k));
+    }
+    if (k < K) acc = dp(acc, _mm512_maskz_loadu_epi16(0xffffu, w + k), _mm512_maskz_loadu_epi16(0xffffu, x + k));
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
 void fast_decode::gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
                           int64_t f32) {
+#ifdef __AVX512BF16__
+    if (M == 1)
+        return share_rows(N, 2 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+            for (int64_t n = a; n < b; n++) put(y, n, dot1(x, w + n * K, K), f32);
+        });
+    // 8 weight rows at a time, read from memory once, stay in cache while tiles of 3 rows of x (then 2, 1) go over
+    share_rows((N + 7) / 8, 16 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        for (int64_t n0 = 8 * a; n0 < 8 * b && n0 < N; n0 += 8) {
+            const int64_t rows = N - n0 < 8 ? N - n0 : 8;
+            const uint16_t* wr[8];
+            for (int64_t i = 0; i < 8; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;  // past N: row n0 again
+            for (int64_t m = 0; m < M;) {
+                const int64_t r = M - m >= 3 ? 3 : M - m;
+                const uint16_t* xr[3] = {x + m * K, x + (m + (r > 1)) * K, x + (m + 2 * (r > 2)) * K};
+                __m256 o[3];
+                if (r == 3) tile8<3>(xr, wr, K, o, m == 0);
+                else if (r == 2) tile8<2>(xr, wr, K, o, m == 0);
+                else tile8<1>(xr, wr, K, o, m == 0);
+                for (int64_t j = 0; j < r; j++) put8(y, (m + j) * N + n0, o[j], rows, f32);
+                m += r;
+            }
+        }
+    });
+#else
     static thread_local vec<xbf16> xs_;
     vec<xbf16>& xs = xs_;
     xs.resize(M * K);
-    for (int64_t i = 0; i < M * K; i++) xs[i] = sizeof(xbf16) == 2 ? x[i] : from_bf16(x[i]);
+    for (int64_t i = 0; i < M * K; i++) xs[i] = from_bf16(x[i]);
     share_rows(N, 2 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
         for (int64_t n = a; n < b; n++)  // each weight row is read from memory once, for every row of x
             for (int64_t m = 0; m < M; m++) put(y, m * N + n, dot(&xs[m * K], w + n * K, K), f32);
     });
+#endif
 }
-

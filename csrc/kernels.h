@@ -76,9 +76,10 @@ void attend_int8(const uint16_t* q, const int8_t* k, const float* ks, const int8
 void decode_step(const Model& m, int64_t token, int64_t pos, float* logits);
 
 // logits [M, vocab] float32 of tokens [M] at cache slots base .. base + M - 1, RoPE positions pos [M], each
-// attending to the slots its row of mask [M, base + M] (bytes) holds; each row as decode_step computes it alone
+// attending to the slots its row of mask [M, base + M] (bytes) holds; each row as decode_step computes it alone.
+// last: only the last row's logits, [1, vocab] (a piece of a prompt)
 void forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
-                  const uint8_t* mask, float* logits);
+                  const uint8_t* mask, float* logits, int64_t last);
 
 // logits [B, vocab] float32 after B sequences' next S tokens each, tokens and pos [B, S], over a paged cache: layer
 // i's K and V in k_pools[i] and v_pools[i] [n_blocks, Hkv, bs, D] bf16, sequence b's blocks in row b of table [B, W];

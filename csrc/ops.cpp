@@ -204,13 +204,16 @@ struct Step : torch::CustomClassHolder {
     void step(int64_t token, int64_t pos, const Tensor& logits) { k.decode_step(m, token, pos, ptr<float>(logits)); }
 
     // logits [M, vocab] float32 of tokens [M] int64 at slots base .. base + M - 1, RoPE positions pos [M] int64,
-    // row i attending to the slots mask [M, base + M] bool holds: a verify pass, each row as step computes it
+    // row i attending to the slots mask [M, base + M] bool holds: a verify pass, each row as step computes it; logits
+    // [1, vocab]: the last row's alone (a piece of a prompt)
     void rows(const Tensor& tokens, const Tensor& pos, int64_t base, const Tensor& mask, const Tensor& logits) {
         const int64_t M = tokens.numel();
         TORCH_CHECK(pos.numel() == M && mask.dim() == 2 && mask.size(0) == M && mask.size(1) == base + M &&
-                    mask.is_contiguous() && logits.size(0) >= M && base + M <= m.slots, "Step.rows: shapes");
+                    mask.is_contiguous() && (logits.size(0) >= M || logits.size(0) == 1) && base + M <= m.slots,
+                    "Step.rows: shapes");
         TORCH_CHECK(m.layers[0].w13.k == m.layers[0].qkv.k, "Step.rows: w13 and qkv take inputs of one length");
-        k.forward_rows(m, ptr<int64_t>(tokens), ptr<int64_t>(pos), M, base, ptr<uint8_t>(mask), ptr<float>(logits));
+        k.forward_rows(m, ptr<int64_t>(tokens), ptr<int64_t>(pos), M, base, ptr<uint8_t>(mask), ptr<float>(logits),
+                       logits.size(0) < M);
     }
 
     // the engine's paged cache: layer i's pools k[i] and v[i] [n_blocks, Hkv, block_size, D] bf16, for paged()
@@ -233,11 +236,12 @@ struct Step : torch::CustomClassHolder {
 
     // logits [B, vocab] float32 after tokens [B, S] int64 at positions pos [B, S] int64 (consecutive in a row), each
     // row's blocks in its row of table [B, W] int64, over the pools (set_pools): the engine's step, each row as step
-    // computes it alone. At most 32 rows a call: the products' batch-invariant size.
+    // computes it alone. At most 32 rows a call, or one row of up to 128 positions (a piece of a prompt): int4's
+    // products are batch-invariant up to 32 rows, the others' at any count (the caller knows which it runs).
     void paged(const Tensor& tokens, const Tensor& pos, const Tensor& table, const Tensor& logits) {
         TORCH_CHECK(!kp.empty() && m.window == 0, "Step.paged: no pools set, or a sliding window");
         TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && table.dim() == 2 &&
-                    table.size(0) == tokens.size(0) && tokens.size(1) <= 32 && tokens.is_contiguous() &&
+                    table.size(0) == tokens.size(0) && tokens.size(1) <= 128 && tokens.is_contiguous() &&
                     pos.is_contiguous() && table.is_contiguous() && logits.is_contiguous() &&
                     logits.size(0) >= tokens.size(0) && logits.size(1) == m.out.n &&
                     logits.scalar_type() == at::kFloat, "Step.paged: shapes");
@@ -254,7 +258,7 @@ struct Step : torch::CustomClassHolder {
                     TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < n_blocks, "Step.paged: row ", b, "'s block ", i,
                                 " is ", t[b * W + i], ", outside the pool");
             }
-        const int64_t rows = 32 / S;  // sequences a call
+        const int64_t rows = S >= 32 ? 1 : 32 / S;  // sequences a call
         for (int64_t b = 0; b < B; b += rows)
             k.forward_paged(m, kp.data(), vp.data(), bs, tok + b * S, p + b * S, t + b * W, B - b < rows ? B - b : rows,
                             S, W, ptr<float>(logits) + b * m.out.n);

@@ -154,7 +154,7 @@ static void layer_rest(const Model& m, const Layer& l, int64_t M, const uint16_t
 // piece of a prompt, each row computing what decode_step computes for it alone (the products of up to 32 rows read
 // the weights once for all rows and sum every row as one row alone). No sliding window.
 void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
-                               const uint8_t* mask, float* logits) {
+                               const uint8_t* mask, float* logits, int64_t last) {
     const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D, L = base + M;
     const Layer& l0 = m.layers[0];
     // each product's input rows as long as its stored k (int4 pads with zeros), so that one call takes all rows
@@ -187,8 +187,9 @@ void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int6
             for (int64_t h = 0; h < H; h++) memcpy(&att[i * ka + h * D], &ho[(h * M + i) * D], 2 * D);
         layer_rest(m, l, M, att.data(), x.data(), xn.data(), kx, y.data(), gu.data(), act.data(), kh);
     }
-    for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], m.norm, &xo[i * ko], m.dim, m.eps);
-    product(m.out, xo.data(), logits, 1, M);
+    const int64_t first = last ? M - 1 : 0;  // the rows whose logits are asked for
+    for (int64_t i = first; i < M; i++) rmsnorm(&x[i * m.dim], m.norm, &xo[(i - first) * ko], m.dim, m.eps);
+    product(m.out, xo.data(), logits, 1, M - first);
 }
 
 // logits [B, vocab] float32 after B sequences' next S tokens each: tokens and pos [B, S] (positions consecutive

@@ -30,12 +30,12 @@ def kernels(request):
     torch.set_num_threads(threads)
 
 
-def bf16_model(head_dim: int, kv_cache=None, weights: str = "bf16", kv_heads: int = 2) -> Transformer:
+def bf16_model(head_dim: int, kv_cache=None, weights: str = "bf16", kv_heads: int = 2, hidden: int = 96) -> Transformer:
     """A random model on the CPU kernels with three query heads per KV head (as SmolLM2 has), and a cache long
     enough that the attention splits it into several parts; weights "bf16", "int8" or "int4" (activations bf16)."""
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=64, n_layer=2, n_head=3 * kv_heads, n_kv_head=kv_heads, dim=3 * kv_heads * head_dim,
-                     intermediate_size=96, block_size=1024)
+                     intermediate_size=hidden, block_size=1024)
     model = Transformer(args).eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)

@@ -7,7 +7,7 @@ import torch
 import cpu_gemv
 
 from engine import Engine, Request
-from generate import generate
+from generate import build_steps, generate
 from model import ModelArgs, Transformer
 from test_batch_invariance import kernels  # noqa: F401 (a fixture: every kernel set this CPU runs)
 
@@ -22,13 +22,19 @@ def tiny(seed=0, **overrides) -> Transformer:
     return model
 
 
-def alone(model, prompt, n) -> list[int]:
-    return generate(model, [prompt], n, temperature=0).rows[0]
-
-
-def alone_in_engine(model, prompt, n) -> list[int]:
-    """The greedy tokens of the prompt as the only request of an engine: prefilled in one chunk, nothing shared."""
+def alone_lone_reference(model, prompt, n) -> list[int]:
+    """What the engine's C++ step must equal for a prompt alone: generate.py --compile's tokens where its prefill runs
+    in the step's pieces too (kernels with dpbf16); elsewhere it prefills through torch's GEMM, which rounds otherwise
+    in bf16, and the reference is the request alone in an engine (prefilled whole, nothing shared)."""
+    if "bf16" in cpu_gemv.kernels:
+        return alone(model, prompt, n, compiled=True)
     return Engine(model, blocks=200, budget=1024).run([Request(prompt, max_new_tokens=n)])[0].out
+
+
+def alone(model, prompt, n, compiled: bool = False) -> list[int]:
+    """generate()'s greedy tokens for the prompt by itself (compiled: with the decode step generate.py --compile
+    takes, on the CPU kernels the C++ step)."""
+    return generate(model, [prompt], n, temperature=0, steps=build_steps(compiled)).rows[0]
 
 
 def prompts(seed: int, count: int, lo: int = 1, hi: int = 80) -> list[list[int]]:
@@ -150,19 +156,19 @@ def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expec
 
 
 # bfloat16 on the CPU kernels: the engine's rows run the C++ step (cpu_step.py) over the pool, decoding rows together
-# and prompts in pieces of up to 32 positions, whose products and attention do not depend on the rows beside them
-# (test_batch_invariance.py). So each request's output is what it gets alone in the engine, token for token, however
-# its prompt was cut into chunks, shared or recomputed. (generate.py prefills with torch's GEMM, which rounds
-# otherwise in bf16: it is twice as fast for a batch-1 prompt.) Where the step cannot run the model (int4 here: its
-# hidden size is no multiple of 64), the engine runs model.py's forward and equals generate() alone.
+# and prompts in pieces (Step.piece positions), whose products and attention do not depend on the rows beside them
+# (test_batch_invariance.py); with dpbf16 the lone compiled run (generate.py --compile) prefills in such pieces too.
+# So each request's output is the lone one's token for token, however its prompt was cut, shared or recomputed.
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights):
     from test_batch_invariance import bf16_model
     model = bf16_model(32, weights=weights, kv_heads=8)  # 8 KV heads: a lone 1024-slot cache splits in 768s
     ps = prompts(7, 8, 20, 400)
     rng, engine, live = random.Random(0), Engine(model, blocks=200, max_rows=8), []
+    # decode steps as one C++ call over the pool, as the compiled batch-1 step is; where that step cannot run the
+    # model (int4 here: its hidden size is no multiple of 64), both run model.py's forward
     assert (engine.cpp is not None) == (weights != "int4") and engine.cache.attend is cpu_gemv.attend_paged
-    want = [(alone_in_engine if engine.cpp is not None else alone)(model, p, 24) for p in ps]
+    want = [(alone_lone_reference if engine.cpp is not None else alone)(model, p, 24) for p in ps]
     for p in ps:
         live.append(engine.add(Request(p, max_new_tokens=24)))
         for _ in range(rng.randint(0, 3)):
@@ -172,17 +178,19 @@ def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights
     assert [r.out for r in live] == want and pool_is_whole(engine)
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int4"])
 def bf16_on_kernels(request):
     from test_batch_invariance import bf16_model
-    return bf16_model(32, weights=request.param, kv_heads=8)
+    model = bf16_model(32, weights=request.param, kv_heads=8, hidden=128)  # int4's step: hidden a multiple of 64
+    assert Engine(model, blocks=8).cpp is not None  # the engine's rows on the C++ step
+    return model
 
 
 def test_bf16_prompts_prefilled_in_chunks_of_any_size_match_each_run_alone(bf16_on_kernels):
     ps = prompts(8, 4, 90, 200)
     engine = Engine(bf16_on_kernels, blocks=100, max_rows=4, budget=23)  # chunks cut off the 32-position pieces
     done = engine.run([Request(p, max_new_tokens=12) for p in ps])
-    assert [r.out for r in done] == [alone_in_engine(bf16_on_kernels, p, 12) for p in ps]
+    assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, p, 12) for p in ps]
     assert engine.stats["steps"] >= sum(map(len, ps)) // 23 and pool_is_whole(engine)
 
 
@@ -191,7 +199,7 @@ def test_bf16_prompts_sharing_cached_blocks_match_each_run_alone(bf16_on_kernels
     engine = Engine(bf16_on_kernels, blocks=200, max_rows=8)
     done = engine.run([Request(system + q, max_new_tokens=12) for q in questions])
     assert all(r.cached_tokens == 288 for r in done[1:])  # 18 blocks: a piece of 32 cut at 16
-    assert [r.out for r in done] == [alone_in_engine(bf16_on_kernels, system + q, 12) for q in questions]
+    assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, system + q, 12) for q in questions]
 
 
 def test_bf16_requests_preempted_and_recomputed_match_each_run_alone(bf16_on_kernels):
@@ -199,7 +207,7 @@ def test_bf16_requests_preempted_and_recomputed_match_each_run_alone(bf16_on_ker
     engine = Engine(bf16_on_kernels, blocks=16, max_rows=8)  # far less than 8 requests need at once
     done = engine.run([Request(p, max_new_tokens=30) for p in ps])
     assert engine.stats["preempted"] > 0 and pool_is_whole(engine)
-    assert [r.out for r in done] == [alone_in_engine(bf16_on_kernels, p, 30) for p in ps]
+    assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, p, 30) for p in ps]
 
 
 def test_batch_py_answers_every_line_of_a_file_as_json_lines(tmp_path):
