@@ -589,14 +589,14 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
 }
 
 // R rows of x (m on) over weight rows n0 .. n0 + 7 (the first `rows` of them stored; past N: row n0 again), the 8
-// rows' sums reduced together rather than each at the end of its row. With VNNI two weight rows at a time: each x
-// vector loaded serves both.
+// rows' sums reduced together rather than each at the end of its row. With VNNI and several rows of x, two weight
+// rows at a time: each x vector loaded serves both.
 template <int G, int R>
 static inline void rows_i4(const XQ* xq, int64_t m, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                            void* y, int64_t N, int64_t K, int64_t n0, int64_t rows, int64_t f32) {
     __m256 t[R][8];
 #if WIDE
-    constexpr int W = 2;
+    constexpr int W = R > 1 ? 2 : 1;  // a lone row: one weight row at a time, one stream through memory
     const XQ* xr[R];
     for (int j = 0; j < R; j++) xr[j] = xq + m + j;
     for (int64_t i = 0; i < 8; i += W) {
