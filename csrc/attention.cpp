@@ -486,22 +486,6 @@ static inline void arrange_q(const uint16_t* q, uint32_t* qv) {
             }
 }
 
-// x's lanes l and l ^ H swapped
-template <int H>
-static inline __m512 swap_lanes(__m512 x) {
-    if constexpr (H == 1) return _mm512_permute_ps(x, 0xb1);
-    else if constexpr (H == 2) return _mm512_permute_ps(x, 0x4e);
-    else if constexpr (H == 4) return _mm512_shuffle_f32x4(x, x, 0xb1);
-    else return _mm512_shuffle_f32x4(x, x, 0x4e);
-}
-
-// Lanes with bit H clear: a's lanes l and l ^ H summed; lanes with bit H set: b's
-template <int H>
-static inline __m512 fold(__m512 a, __m512 b) {
-    constexpr __mmask16 set = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
-    return _mm512_add_ps(_mm512_mask_blend_ps(set, a, b), swap_lanes<H>(_mm512_mask_blend_ps(set, b, a)));
-}
-
 // E products (positions 0 .. E - 1) folded into one vector of scores, lane r * E + e: row r at position e
 template <int E>
 static inline __m512 fold_all(__m512* x) {

@@ -6,24 +6,14 @@
 // bf16. With AVX512-BF16, dpbf16 multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes: x stays bf16
 // and the weights are never widened. Without it, a bf16 widened by a 16-bit shift is its fp32 value.
 #ifdef __AVX512BF16__
-typedef uint16_t xbf16;
-
 // AHEAD_BF16: how far ahead (bytes) the product asks for its weights, into L3 (T2); 0, the default, leaves them to
 // the hardware prefetcher (cpu_gemv.targets: 4096 on cores with less than 48 KB of L1). HOW_IT_WORKS.md,
 // "Prefetching the weights".
 #ifndef AHEAD_BF16
 #define AHEAD_BF16 0
 #endif
-// E vectors' lanes l and l ^ H summed, two vectors into one: lanes with bit H clear from a, set from b
-template <int H>
-static inline __m512 fold(__m512 a, __m512 b) {
-    constexpr __mmask16 set = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
-    const __m512 x = _mm512_mask_blend_ps(set, a, b), y = _mm512_mask_blend_ps(set, b, a);
-    if constexpr (H == 1) return _mm512_add_ps(x, _mm512_permute_ps(y, 0xb1));
-    else if constexpr (H == 2) return _mm512_add_ps(x, _mm512_permute_ps(y, 0x4e));
-    else if constexpr (H == 4) return _mm512_add_ps(x, _mm512_shuffle_f32x4(y, y, 0xb1));
-    else return _mm512_add_ps(x, _mm512_shuffle_f32x4(y, y, 0x4e));
-}
+
+// (fold: common.h's, as attention's score lanes use it)
 
 // A tile of 8 weight rows (w[v]) by R rows of x (x[r]), K long: out[r] lane v = x row r . w row v. Each pair is one
 // chain of dpbf16 over steps of 32 pairs (the last masked to 16 where K is an odd multiple of 16), its 16 lanes

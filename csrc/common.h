@@ -150,6 +150,24 @@ static inline __m256 sum8x8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+#ifdef __AVX512F__
+// x's lanes l and l ^ H swapped
+template <int H>
+static inline __m512 swap_lanes(__m512 x) {
+    if constexpr (H == 1) return _mm512_permute_ps(x, 0xb1);
+    else if constexpr (H == 2) return _mm512_permute_ps(x, 0x4e);
+    else if constexpr (H == 4) return _mm512_shuffle_f32x4(x, x, 0xb1);
+    else return _mm512_shuffle_f32x4(x, x, 0x4e);
+}
+
+// Lanes with bit H clear: a's lanes l and l ^ H summed; lanes with bit H set: b's
+template <int H>
+static inline __m512 fold(__m512 a, __m512 b) {
+    constexpr __mmask16 set = H == 1 ? 0xaaaa : H == 2 ? 0xcccc : H == 4 ? 0xf0f0 : 0xff00;
+    return _mm512_add_ps(_mm512_mask_blend_ps(set, a, b), swap_lanes<H>(_mm512_mask_blend_ps(set, b, a)));
+}
+#endif
+
 #ifdef __AVX512BF16__
 // 32 bf16 pairs of w and x multiplied exactly and added into a's 16 fp32 lanes
 static inline __m512 dp(__m512 a, __m512i w, __m512i x) { return _mm512_dpbf16_ps(a, (__m512bh)w, (__m512bh)x); }
