@@ -52,7 +52,7 @@ def main(argv=None):
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument("--concurrency", type=cli.positive_int, default=16, help="requests decoding at once")
     p.add_argument("--kv_blocks", type=cli.positive_int, help="KV cache blocks of 16 tokens (default: room for "
-                   "--concurrency requests of half the context each; more requests wait or are recomputed)")
+                   "--concurrency requests of 40%% of the context each; more requests wait or are recomputed)")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context: prompt + answer, at most")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", default="bfloat16", choices=list(cli.DTYPES), help="weight and activation dtype")

@@ -7,6 +7,7 @@ wait for one with their KV kept while the others go on; only when none could go 
 give its blocks back and wait to be recomputed (preemption). A prompt whose leading blocks
 some earlier request already filled starts from there (prefix sharing). Each request keeps its own sampling
 options, stop strings, end-of-sequence ids and grammar."""
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ class Request:
 class Engine:
     """The scheduler and its forward passes. model: a Transformer whose setup_caches was called (its RoPE table
     bounds the context); tokenizer: for stop strings and grammars. blocks x block_size: the pool (default: room
-    for max_rows sequences of half the context); max_rows: rows per step; budget: tokens per step."""
+    for max_rows sequences of 40% of the context, and for one of all of it); max_rows: rows per step; budget:
+    tokens per step."""
 
     def __init__(self, model, tokenizer=None, *, blocks: Optional[int] = None, block_size: int = 16,
                  max_rows: int = 64, budget: int = 512, kv_dtype: Optional[torch.dtype] = None):
@@ -85,7 +87,7 @@ class Engine:
         self.context = model.max_seq_length
         if not self.context:
             raise ValueError("the engine needs the model's RoPE table: call model.setup_caches first")
-        blocks = blocks or max_rows * -(-self.context // block_size) // 2
+        blocks = blocks or max(max_rows * self.context * 2 // (5 * block_size), -(-self.context // block_size))
         self.pool = BlockPool(blocks, block_size)
         self.cache = PagedCache(model, self.pool, kv_dtype, attend_paged_kernel(model))
         self.cpp = paged_step(model, self.cache)
@@ -93,6 +95,7 @@ class Engine:
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None
+        self.written = [0, 0]  # tokens that finished requests wrote, and their max_new_tokens
         self.computing: dict = {}  # hash of a full prompt block -> the admitted request that is computing it
         self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefilled=0, generated=0, preempted=0,
                           waited=0, peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in
@@ -147,6 +150,8 @@ class Engine:
         if r.finished:
             return
         r.finish_reason, r.error, r.times["finished"] = reason, error, time.perf_counter()
+        if reason in ("stop", "length"):
+            self.written = [self.written[0] + len(r.out), self.written[1] + r.max_new_tokens]
         if r in self.running:
             self.running.remove(r)
         self.release(r)
@@ -215,7 +220,7 @@ class Engine:
             return False
         need = -(-len(tokens) // size) - hits
         cached = sum(1 for i in range(hits) if self.pool.refs[self.pool.by_hash[hashes[i]]] == 0)
-        if self.pool.available() - cached < need + len(self.running):
+        if self.pool.available() - cached < need + max(len(self.running), self.growth(r, need + hits)):
             return False
         blocks = []
         for i in range(hits):
@@ -232,6 +237,21 @@ class Engine:
             self.stats["prompt_tokens"] += len(r.prompt)
             self.stats["cached_tokens"] += r.computed
         return True
+
+    def growth(self, new: Request, blocks: int) -> int:
+        """The most blocks the running requests and new (holding blocks once admitted) will need beyond those they
+        hold at any step ahead, if each writes the share of its max_new_tokens that finished requests wrote, one
+        token a step, and gives its own blocks back when done. Admitting only within it spares recomputation."""
+        share = self.written[0] / self.written[1] if self.written[1] else 0.0
+        size, rows = self.pool.block_size, []  # (tokens, blocks held, blocks freed when done, steps left)
+        for r in self.running:
+            own = sum(1 for b in r.blocks if self.pool.refs[b] == 1)
+            rows.append((len(r.tokens), len(r.blocks), own, math.ceil(share * (r.max_new_tokens - len(r.out)))))
+        rows.append((len(new.tokens), blocks, blocks, math.ceil(share * (new.max_new_tokens - len(new.out)))))
+        most = 0
+        for t in {left - 1 for *_, left in rows if left > 0}:  # just before a row is done: a peak
+            most = max(most, sum(-(-(n + t) // size) - held if t < left else -own for n, held, own, left in rows))
+        return most
 
     def preempt(self, r: Request):
         """Give r's blocks back and queue it first, to be recomputed: its tokens so far stay, so the recompute

@@ -515,7 +515,7 @@ def main(argv=None):
     p.add_argument("--max_waiting", type=cli.positive_int, default=64, help="requests queued beyond those; more get "
                    "429")
     p.add_argument("--kv_blocks", type=cli.positive_int, help="KV cache blocks of 16 tokens (default: room for "
-                   "--max_rows requests of half the context each)")
+                   "--max_rows requests of 40%% of the context each)")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context: prompt + answer, at most")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on shutdown")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")

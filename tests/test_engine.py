@@ -96,6 +96,15 @@ def test_a_full_pool_preempts_the_newest_request_and_recomputes_it(model, expect
     assert [r.out for r in done] == want and pool_is_whole(engine)
 
 
+def test_once_requests_ran_to_their_length_a_small_pool_admits_only_what_it_can_finish(model, expected):
+    ps, want = expected
+    engine = Engine(model, blocks=24, block_size=8, max_rows=8)  # far less than 12 requests need at once
+    engine.run([Request(ps[0], max_new_tokens=24)])  # it wrote all 24 tokens it could
+    done = engine.run([Request(p, max_new_tokens=24) for p in ps])
+    assert engine.stats["preempted"] == 0 and engine.stats["waited"] == 0
+    assert [r.out for r in done] == want and pool_is_whole(engine)
+
+
 def test_a_row_short_of_a_block_waits_for_one_rather_than_being_recomputed(model):
     a, b = prompts(12, 1, 15, 15)[0], prompts(13, 1, 9, 9)[0]
     engine = Engine(model, blocks=5, block_size=8)  # b's third block is a's third until a finishes
