@@ -1,11 +1,12 @@
 """Many requests at once: iteration-level scheduling (Orca, Yu et al. 2022) over the paged KV cache of paged.py.
 
-Every step, finished requests leave and waiting ones join. The rows that are decoding advance one token each in one
-forward pass (every weight read once for all of them); prompts are prefilled in chunks within a token budget per
-step, so one long prompt never holds the others up for its whole prefill. When the pool runs out of blocks, rows
-wait for one with their KV kept while the others go on; only when none could go on does the newest running request
-give its blocks back and wait to be recomputed (preemption). A prompt whose leading blocks
-some earlier request already filled starts from there (prefix sharing). Each request keeps its own sampling
+Every step, finished requests leave and waiting ones join, as far as the pool keeps room for what the running ones
+are expected to write. The rows that are decoding advance one token each in one forward pass (every weight read
+once for all of them); prompts are prefilled in chunks within a token budget per step, so one long prompt never
+holds the others up for its whole prefill. When the pool runs out of blocks, rows wait for one with their KV kept
+while the others go on; only when none could go on does the newest running request give its blocks back and wait
+to be recomputed (preemption). A prompt whose leading blocks some earlier request already filled starts from there
+(prefix sharing). Each request keeps its own sampling
 options, stop strings, end-of-sequence ids and grammar."""
 import math
 import time
@@ -206,7 +207,8 @@ class Engine:
 
     def admit(self, r: Request) -> bool:
         """Blocks for all of r's tokens: those its prefix shares with earlier requests, found by content, and new
-        ones for the rest, if the pool has them (keeping one spare per running row, for its next token)."""
+        ones for the rest, if the pool has them and keeps a spare per running row and room for what the running
+        rows and r are expected to write (growth)."""
         size, tokens = self.pool.block_size, r.tokens
         full = (len(tokens) - 1) // size  # the last token is always computed: its logits give the next one
         hashes, parent = [], 0
@@ -220,7 +222,8 @@ class Engine:
             return False
         need = -(-len(tokens) // size) - hits
         cached = sum(1 for i in range(hits) if self.pool.refs[self.pool.by_hash[hashes[i]]] == 0)
-        if self.pool.available() - cached < need + max(len(self.running), self.growth(r, need + hits)):
+        room = self.pool.available() - cached - need
+        if room < len(self.running) or room < self.growth(r, need + hits):
             return False
         blocks = []
         for i in range(hits):
@@ -242,8 +245,10 @@ class Engine:
         """The most blocks the running requests and new (holding blocks once admitted) will need beyond those they
         hold at any step ahead, if each writes the share of its max_new_tokens that finished requests wrote, one
         token a step, and gives its own blocks back when done. Admitting only within it spares recomputation."""
-        share = self.written[0] / self.written[1] if self.written[1] else 0.0
-        size, rows = self.pool.block_size, []  # (tokens, blocks held, blocks freed when done, steps left)
+        if not self.written[0]:
+            return 0
+        share, size = self.written[0] / self.written[1], self.pool.block_size
+        rows = []  # (tokens, blocks held, blocks freed when done, steps left)
         for r in self.running:
             own = sum(1 for b in r.blocks if self.pool.refs[b] == 1)
             rows.append((len(r.tokens), len(r.blocks), own, math.ceil(share * (r.max_new_tokens - len(r.out)))))

@@ -105,6 +105,17 @@ def test_once_requests_ran_to_their_length_a_small_pool_admits_only_what_it_can_
     assert [r.out for r in done] == want and pool_is_whole(engine)
 
 
+def test_the_pool_admits_by_the_share_of_max_new_tokens_finished_requests_wrote(model):
+    ps = prompts(5, 8, 8, 8)  # a block of 8 each, and 40 tokens to write (6 blocks in all, each)
+    for wrote, admitted in ((100, 2), (0, 8)):  # all of it: 2 fit to the end; none: all 8 start at once
+        engine = Engine(model, blocks=16, block_size=8, max_rows=8)
+        engine.written = [wrote, 100]
+        for p in ps:
+            engine.add(Request(p, max_new_tokens=40))
+        engine.step()
+        assert len(engine.running) == admitted
+
+
 def test_a_row_short_of_a_block_waits_for_one_rather_than_being_recomputed(model):
     a, b = prompts(12, 1, 15, 15)[0], prompts(13, 1, 9, 9)[0]
     engine = Engine(model, blocks=5, block_size=8)  # b's third block is a's third until a finishes
