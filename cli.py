@@ -404,13 +404,25 @@ def run_options(args: argparse.Namespace) -> dict:
 # ---- text: the prompt in, the answer out (the commands' and llm.py's) -----------------------------------------------
 
 def stop_strings(tokenizer, strings: Optional[list[str]]) -> Optional[Callable]:
-    """stop(row) -> how many of the row's tokens to keep: through the token that completes the first of the stop
-    strings in the row's text, or all of them. The text is cut before the string later (cut_text)."""
+    """stop(row, new=None) -> how many of the row's tokens to keep: through the token that completes the first of
+    the stop strings in the row's text, or all of them. new: the row's last tokens, after a prefix known to hold no
+    stop string; then only a tail of the text is decoded (a step costs the same however long the row). The text is
+    cut before the string later (cut_text)."""
     if not strings:
         return None
+    longest = max(map(len, strings))
 
-    def stop(row: list[int]) -> int:
-        if not any(s in tokenizer.decode(row) for s in strings):
+    def tail(row: list[int], new: int) -> str:  # a tail of the text that holds any string the new tokens complete
+        n = new + longest + 8
+        while n < len(row):
+            text = tokenizer.decode(row[-n:])  # its first characters may decode otherwise than in the whole text
+            if len(text) > len(tokenizer.decode(row[-new:])) + longest + 4:  # (a cut character: up to 4 more)
+                return text
+            n *= 2
+        return tokenizer.decode(row)
+
+    def stop(row: list[int], new: Optional[int] = None) -> int:
+        if not any(s in (tokenizer.decode(row) if new is None else tail(row, new)) for s in strings):
             return len(row)
         lo, hi = 1, len(row)  # a string, once in the text of a prefix, stays in the text of longer ones
         while lo < hi:

@@ -63,7 +63,7 @@ class Request:
     times: dict = field(default_factory=dict)  # "arrived", "first" (token), "finished": time.perf_counter()
     matcher: object = None
     generator: Optional[torch.Generator] = None
-    keep: Optional[Callable] = None  # stop strings: row -> the tokens to keep
+    keep: Optional[Callable] = None  # stop strings: (row, new tokens) -> the tokens to keep
 
     @property
     def tokens(self) -> list[int]:  # what its KV must hold before it samples the next token
@@ -368,8 +368,8 @@ class Engine:
             return self.finish(r, "stop")
         r.out.append(token)
         self.stats["generated"] += 1
-        if r.keep is not None and r.keep(r.out) < len(r.out):
-            del r.out[r.keep(r.out):]
+        if r.keep is not None and r.keep(r.out, 1) < len(r.out):
+            del r.out[r.keep(r.out, 1):]
             return self.finish(r, "stop")
         if r.matcher is not None and r.matcher.is_stopped():
             return self.finish(r, "stop")

@@ -1,5 +1,8 @@
 """generate.py with real-model tokenizers: chat templates, several end-of-sequence ids, stop strings, and a
 prompt whose start is already in the KV cache."""
+import random
+
+import pytest
 import torch
 
 import generate
@@ -38,6 +41,20 @@ def test_stop_string_cuts_the_row_and_the_text(chat_checkpoint):
     kept = greedy(model, prompt, n=40, stop=stop_strings(tok, [needle]))
     assert needle in tok.decode(kept) and needle not in tok.decode(kept[:-1])  # through the completing token
     assert cut_text(tok.decode(kept), [needle]) == text[: text.find(needle)]
+
+
+@pytest.mark.parametrize("fixture", ["checkpoint", "chat_checkpoint"])  # SentencePiece with bytes; byte-level BPE
+def test_a_stop_check_of_the_new_token_finds_what_a_check_of_the_whole_text_finds(fixture, request):
+    path = request.getfixturevalue(fixture)
+    tok, rng = load_tokenizer(path, read_config(path)), random.Random(0)
+    for _ in range(12):
+        row = [rng.randrange(tok.vocab_size) for _ in range(120)]  # any ids: cut characters, spaces, specials
+        text = tok.decode(row)
+        strings = [text[i : i + rng.randint(1, 6)] for i in rng.sample(range(len(text) // 2), 2)]
+        stop = stop_strings(tok, strings)
+        whole = next((i for i in range(1, len(row) + 1) if stop(row[:i]) < i), None)
+        assert whole is not None and next(i for i in range(1, len(row) + 1) if stop(row[:i], 1) < i) == whole
+        assert stop(row[:whole], 1) == stop(row[:whole]) < whole
 
 
 def test_prefill_of_only_the_new_tokens_matches_a_full_prefill(chat_checkpoint):
