@@ -407,10 +407,22 @@ class Answer:
         self.tokenizer, self.requests, self.chat, self.model, self.stop = tokenizer, requests, chat, model, stop
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created, self.sent = int(time.time()), [""] * len(requests)
+        self.shown = [[max(len(r.prompt) - 6, 0), len(r.prompt), ""] for r in requests]  # see grown
         self.hold = max(map(len, stop or [""]), default=1) - 1  # a stop string's start may be in the latest text
 
     def text(self, r, n: int) -> str:
         return cli.new_text(self.tokenizer, r.prompt, r.out[:n], self.stop)
+
+    def grown(self, i: int, r, n: int) -> str:
+        """Choice i's new text through its first n tokens, for streaming: each time only the tokens since the last
+        whole piece are decoded, after a few before them for context (so spaces and merged bytes come out as in the
+        whole text), and the text they add is appended. A step costs the same however long prompt and answer."""
+        start, read, text = self.shown[i]
+        tokens = (r.prompt + r.out[:n])[start:]  # [tokens since start]
+        before, now = self.tokenizer.decode(tokens[: read - start]), self.tokenizer.decode(tokens)
+        if len(now) > len(before) and not now.endswith("\ufffd"):  # (a character still cut: wait for its bytes)
+            self.shown[i] = [read, start + len(tokens), text + now[len(before):]]
+        return self.shown[i][2]
 
     def usage(self) -> dict:
         done = sum(len(r.out) for r in self.requests)
@@ -472,7 +484,8 @@ class Answer:
                     yield self.chunk(-1 - i, "")
             while left:
                 r, n, finished = await sink.get()
-                i, text = index[r], self.text(r, n)
+                i = index[r]
+                text = self.text(r, n) if finished else cli.cut_text(self.grown(i, r, n), self.stop)
                 ready = text if finished else text[: max(len(self.sent[i]), len(text) - self.hold)]
                 if not finished and ready.endswith("\ufffd"):
                     ready = ready[:-1]

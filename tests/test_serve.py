@@ -273,3 +273,22 @@ def test_a_streamed_chat_starts_with_the_role_and_ends_with_the_finish(smollm2):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("fixture", ["checkpoint", "chat_checkpoint"])  # SentencePiece with bytes; byte-level BPE
+def test_streamed_text_grown_a_token_at_a_time_is_the_whole_texts(fixture, request):
+    import random
+
+    import serve
+    from checkpoint import load_tokenizer, read_config
+    from engine import Request
+    path = request.getfixturevalue(fixture)
+    tok, rng = load_tokenizer(path, read_config(path)), random.Random(0)
+    for text in ("Grüße, 世界! naïve café -> ok", None, None):  # then any ids: cut characters, spaces, specials
+        ids = tok.encode(text, bos=False) if text else [rng.randrange(tok.vocab_size) for _ in range(150)]
+        r = Request(ids[:10], out=ids[10:])
+        answer = serve.Answer(tok, [r], chat=False, model="m", stop=None)
+        for n in range(1, len(r.out) + 1):
+            whole = answer.text(r, n)
+            grown = answer.grown(0, r, n)
+            assert whole.startswith(grown) and (grown == whole or whole.endswith("\ufffd"))
