@@ -96,7 +96,8 @@ class Engine:
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None
-        self.written = [0, 0]  # tokens that finished requests wrote, and their max_new_tokens
+        self.written = [0.0, 0.0]  # tokens that finished requests wrote, and their max_new_tokens, the latest
+        # weighing most (each finish discounts the earlier ones by 2%: a server follows its traffic as it changes)
         self.computing: dict = {}  # hash of a full prompt block -> the admitted request that is computing it
         self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefilled=0, generated=0, preempted=0,
                           waited=0, peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in
@@ -152,7 +153,7 @@ class Engine:
             return
         r.finish_reason, r.error, r.times["finished"] = reason, error, time.perf_counter()
         if reason in ("stop", "length"):
-            self.written = [self.written[0] + len(r.out), self.written[1] + r.max_new_tokens]
+            self.written = [0.98 * self.written[0] + len(r.out), 0.98 * self.written[1] + r.max_new_tokens]
         if r in self.running:
             self.running.remove(r)
         self.release(r)

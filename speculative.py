@@ -132,7 +132,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         raise generate.not_finite(0)
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
-        complete = False
+        complete, seen = False, len(out)
         for token in emitted:
             out.append(token)
             if guide is not None and token not in eos:
@@ -144,8 +144,8 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         out += forced  # output as they are, and fed to the target (and the draft) ahead of this round's proposals
         if callback is not None:
             callback(out)
-        if out[-1] in eos or len(out) >= max_new_tokens or complete or stop is not None and stop(out) < len(out) \
-                or guide is not None and guide.complete(0):
+        cut = stop is not None and stop(out, len(out) - seen) < len(out)  # (the check decodes only the new text)
+        if out[-1] in eos or len(out) >= max_new_tokens or complete or cut or guide is not None and guide.complete(0):
             break
         f, t_round, masks = len(forced), time.perf_counter(), None
         if draft is not None:

@@ -549,6 +549,7 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
     out, emitted, accepted, eos, pos, proposed, sizes = [], [cur], [], set(eos_ids or ()), T, 0, {}
     methods, made = {}, None  # the new tokens after the first, by the method of the round that made them
     while True:
+        seen = len(out)
         for token in emitted:
             out.append(token)
             if made is not None:
@@ -557,7 +558,7 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
                 break
         if callback is not None:
             callback(out)
-        if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out) < len(out):
+        if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out, len(out) - seen) < len(out):
             break
         t = time.perf_counter()
         full = proposer.propose(prompt + out, max_nodes, sizer.worth) if sizer.pays() else None

@@ -70,9 +70,10 @@ def test_a_list_of_prompts_is_a_batch_with_one_completion_each(llm, plain):
     assert outs[0].tokens == plain.tokens and len(outs[1].tokens) == 24
 
 
-def test_stop_strings_cut_the_text_and_end_with_reason_stop(llm, plain):
+@pytest.mark.parametrize("speculate", ["auto", "draft", "plain"])  # token trees, a draft's chain, plain decoding
+def test_stop_strings_cut_the_text_and_end_with_reason_stop(llm, plain, speculate):
     needle = plain.text[5:8]
-    out = llm.generate(PROMPT, max_new_tokens=24, temperature=0, stop=[needle])
+    out = llm.generate(PROMPT, max_new_tokens=24, temperature=0, stop=[needle], speculate=speculate)
     assert out.text == plain.text[: plain.text.find(needle)] and out.finish_reason == "stop"
 
 
