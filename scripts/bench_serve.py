@@ -14,7 +14,7 @@ int4), each on a free local port with as many rows / slots of continuous batchin
 (--threads), and at each rate runs ours, then llama.cpp; both are stopped at the end, on errors and on Ctrl-C. With
 --url it drives a server that is already running instead.
 
-    python scripts/bench_serve.py --models smollm2-int8 --rates 0.5 1 2 --requests 64 --json bench_serve.json
+    python scripts/bench_serve.py --models smollm2-int8 --rates 0.75 1 1.5 --lengths 32 256 --json bench_serve.json
     python scripts/bench_serve.py --url http://127.0.0.1:8000 --rates 1 --requests 16 --lengths 32 128"""
 import argparse
 import contextlib
@@ -373,7 +373,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the vocabulary the server states at /v1/models)")
     p.add_argument("--rates", type=positive_rate, nargs="+", default=[1.0], metavar="RATE",
                    help="average arrival rates, requests per second; each is a run of its own")
-    p.add_argument("--requests", type=cli.positive_int, default=64, help="requests per rate")
+    p.add_argument("--requests", type=cli.positive_int, default=80, help="requests per rate (a short run can end "
+                   "before a backlog builds, and then reads as held a rate a server cannot keep up with)")
     p.add_argument("--lengths", type=cli.positive_int, nargs=2, default=[32, 512], metavar=("LO", "HI"),
                    help="prompt and output lengths are drawn uniformly from LO..HI")
     p.add_argument("--seed", type=int, default=0, help="draws the requests and their arrival times")
