@@ -413,10 +413,11 @@ def stop_strings(tokenizer, strings: Optional[list[str]]) -> Optional[Callable]:
     longest = max(map(len, strings))
 
     def tail(row: list[int], new: int) -> str:  # a tail of the text that holds any string the new tokens complete
-        n = new + longest + 8
+        new = max(new, 1)
+        n, added = new + longest + 8, len(tokenizer.decode(row[-new:]))
         while n < len(row):
             text = tokenizer.decode(row[-n:])  # its first characters may decode otherwise than in the whole text
-            if len(text) > len(tokenizer.decode(row[-new:])) + longest + 4:  # (a cut character: up to 4 more)
+            if len(text) > added + longest + 4:  # (a cut character: up to 4 more)
                 return text
             n *= 2
         return tokenizer.decode(row)

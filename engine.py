@@ -6,8 +6,7 @@ once for all of them); prompts are prefilled in chunks within a token budget per
 holds the others up for its whole prefill. When the pool runs out of blocks, rows wait for one with their KV kept
 while the others go on; only when none could go on does the newest running request give its blocks back and wait
 to be recomputed (preemption). A prompt whose leading blocks some earlier request already filled starts from there
-(prefix sharing). Each request keeps its own sampling
-options, stop strings, end-of-sequence ids and grammar."""
+(prefix sharing). Each request keeps its own sampling options, stop strings, end-of-sequence ids and grammar."""
 import math
 import time
 from collections import deque
@@ -369,8 +368,9 @@ class Engine:
             return self.finish(r, "stop")
         r.out.append(token)
         self.stats["generated"] += 1
-        if r.keep is not None and r.keep(r.out, 1) < len(r.out):
-            del r.out[r.keep(r.out, 1):]
+        keep = r.keep(r.out, 1) if r.keep is not None else len(r.out)
+        if keep < len(r.out):
+            del r.out[keep:]
             return self.finish(r, "stop")
         if r.matcher is not None and r.matcher.is_stopped():
             return self.finish(r, "stop")

@@ -418,7 +418,7 @@ class Answer:
         whole piece are decoded, after a few before them for context (so spaces and merged bytes come out as in the
         whole text), and the text they add is appended. A step costs the same however long prompt and answer."""
         start, read, text = self.shown[i]
-        tokens = (r.prompt + r.out[:n])[start:]  # [tokens since start]
+        tokens = r.prompt[start:] + r.out[max(start - len(r.prompt), 0) : n]  # [tokens since start]
         before, now = self.tokenizer.decode(tokens[: read - start]), self.tokenizer.decode(tokens)
         if len(now) > len(before) and not now.endswith("\ufffd"):  # (a character still cut: wait for its bytes)
             self.shown[i] = [read, start + len(tokens), text + now[len(before):]]
