@@ -5,7 +5,8 @@ answer written as a line of JSON.
 
 --prompts_file holds one prompt per line, or JSON Lines, each {"prompt": "...", ...} with its own options if it
 wants them (max_new_tokens, temperature, top_k, top_p, seed, stop, json_schema, regex, ...). A prompt that cannot
-run (too long, a bad schema) gets "finish_reason": "error" and its error; the others run."""
+run (too long, a bad schema) gets "finish_reason": "error" and its error; the others run. When none could run,
+the answers are still written and the exit status is 2."""
 import argparse
 import json
 import sys
@@ -84,6 +85,9 @@ def main(argv=None):
           f"of them from the prefix cache; peak KV {s['peak_blocks']} of {pool.n_blocks} blocks "
           f"({s['peak_blocks'] * llm.engine.cache.bytes_per_block() / 1e6:.1f} MB); {s['preempted']} preemptions",
           file=sys.stderr)
+    refused = [a.error for a in answers if a.error is not None]
+    if len(refused) == len(answers):  # the answers are written, but nothing ran: a failure for whoever called
+        raise ValueError(f"every request was refused; the first: {refused[0]}")
 
 
 if __name__ == "__main__":

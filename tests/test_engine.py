@@ -247,3 +247,20 @@ def test_batch_py_answers_every_line_of_a_file_as_json_lines(tmp_path):
     assert [a["prompt"] for a in answers] == ["def f(x):", "import os", "x"]
     assert [a["usage"]["completion_tokens"] for a in answers] == [6, 3, 6]
     assert all(a["finish_reason"] == "length" for a in answers) and "3 requests" in result.stderr
+
+
+def test_batch_py_fails_in_one_line_when_every_request_is_refused_but_still_writes_them(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": w * 60}) + "\n" for w in ("word ", "more ")))
+    out = tmp_path / "a.jsonl"
+    result = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--output",
+                             str(out), "--max_seq_length", "32", "--dtype", "float32"],
+                            capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: every request was refused")
+    assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["error", "error"]
