@@ -123,6 +123,7 @@ TRAIN, BENCH, BENCH_Q, BENCH_S = ("scripts/train_tiny.py", "scripts/bench.py", "
                                   "scripts/bench_speculative.py")
 BENCH_C = "scripts/bench_cpu_step.py"
 BATCH, BENCH_E, BENCH_SERVE = "batch.py", "scripts/bench_engine.py", "scripts/bench_serve.py"
+ROOFLINE = "scripts/roofline.py"
 SERVE = "serve.py"
 N = ("--max_new_tokens", 4)
 
@@ -316,6 +317,9 @@ ROWS = {
                                                                       t / "r.json"], "nothing answers"),
     "bench_serve_json_onto_a_users_file": (BENCH_SERVE, lambda t, c, s: [
         "--url", "http://127.0.0.1:9", "--json", user_folder(t, "r.json") / "r.json"], "not an earlier output"),
+    "roofline_rows_past_the_decode_kernels": (ROOFLINE, lambda t, c, s: ["--checkpoint_path", c, "--rows", 33],
+                                              "--rows"),
+    "roofline_missing_checkpoint": (ROOFLINE, lambda t, c, s: ["--checkpoint_path", t / "nope"], "no checkpoint"),
 }
 
 

@@ -130,3 +130,17 @@ def test_bench_engine_runs_a_workload_through_the_engine_and_beside_it_llama_ser
     bad = subprocess.run([sys.executable, str(ROOT / "scripts/bench_engine.py"), "--llama_cpp", str(tmp_path),
                           "--json", str(tmp_path / "b.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and len(errors_of(bad.stderr)) == 1 and "--peer" in bad.stderr
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX"), reason="the C++ kernels are x86's")
+def test_roofline_sets_the_engines_steps_against_ceilings_measured_here_and_writes_json(tmp_path):
+    out = tmp_path / "r.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/roofline.py"), "--rows", "4", "--context", "8",
+                             "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(out.read_text())
+    assert figures["read_bytes_per_s"] > 0 and min(figures["macs_per_s"].values()) > 0
+    (model,) = figures["models"]
+    assert model["rows"] == 4 and model["one_row_tokens_per_s"] > 0 and model["rows_tokens_per_s"] > 0
+    assert 0 < model["rows_compute_share"] < 1  # no step outruns the multiply-add units
+    assert "| stdlib-target |" in result.stdout
