@@ -78,7 +78,7 @@ def seconds_per_step(model, rows: int, context: int, steps: int, rounds: int) ->
 
 
 @torch.inference_mode()
-def measure(path: Path, rows: int, context: int, rounds: int, ceilings: dict, read: float) -> dict:
+def measure(path: Path, rows: int, context: int, rounds: int, ceilings: dict) -> dict:
     model = load_model(path, "cpu", torch.bfloat16)
     layers = products(model)
     if not layers:
@@ -87,10 +87,15 @@ def measure(path: Path, rows: int, context: int, rounds: int, ceilings: dict, re
     model.setup_caches(1, context + steps * (rounds + 1) + 16)
     macs = sum(m.weight.size(0) * k for m, k, _ in layers)  # a row's multiply-adds, padding included
     weights = cli.weight_bytes(model)
-    one, many = (seconds_per_step(model, n, context, steps, rounds) for n in (1, rows))
+    # a VM's memory changes speed within minutes: read just before and just after the 1-row steps, which it bounds
+    probes = [read_bandwidth(torch.device("cpu"), 1.0)]
+    one = seconds_per_step(model, 1, context, steps, rounds)
+    probes.append(read_bandwidth(torch.device("cpu"), 1.0))
+    many, read = seconds_per_step(model, rows, context, steps, rounds), statistics.mean(probes)
     floor = sum(m.weight.size(0) * k / ceilings[kind] for m, k, kind in layers)  # a row's seconds at the ceilings
     return {"checkpoint": str(path), "weight_mb": weights / 1e6, "macs_per_token": macs, "rows": rows,
-            "context": context, "one_row_tokens_per_s": 1 / one, "one_row_read_share": weights / one / read,
+            "context": context, "read_bytes_per_s": probes, "one_row_tokens_per_s": 1 / one,
+            "one_row_read_share": weights / one / read,
             "memory_ceiling_tokens_per_s": read / weights, "rows_tokens_per_s": rows / many,
             "rows_macs_per_s": rows * macs / many, "rows_compute_share": floor * rows / many,
             "compute_ceiling_tokens_per_s": 1 / floor}
@@ -115,24 +120,24 @@ def main(argv=None):
     cli.set_threads(args.threads)
     if cpu_gemv.load() is None:
         raise ValueError("the C++ kernels do not run here: there is nothing to set against a ceiling")
-    ceilings, read = peaks(), read_bandwidth(torch.device("cpu"), 1.0)
-    results = [measure(path, args.rows, args.context, args.rounds, ceilings, read) for path in args.checkpoint_path]
-    print(f"\n{cpu_gemv.cpu_name()}, {cpu_gemv.kernels} kernels, {torch.get_num_threads()} threads: memory reads "
-          f"{read / 1e9:.1f} GB/s, int8 multiply-adds {ceilings['int8'] / 1e9:.0f} G/s, bf16 "
-          f"{ceilings['bf16'] / 1e9:.0f} G/s\n")
-    print(f"{args.context} tokens of context a row; the shares: the ceiling's time for the weights over the step's\n")
-    print(f"| checkpoint | MB a token | MMAC a token | 1 row tok/s | of memory's ceiling | {args.rows} rows tok/s | "
-          f"GMAC/s | of compute's ceiling | compute's ceiling tok/s | ceiling / 1 row |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ceilings = peaks()
+    results = [measure(path, args.rows, args.context, args.rounds, ceilings) for path in args.checkpoint_path]
+    print(f"\n{cpu_gemv.cpu_name()}, {cpu_gemv.kernels} kernels, {torch.get_num_threads()} threads: int8 "
+          f"multiply-adds {ceilings['int8'] / 1e9:.0f} G/s, bf16 {ceilings['bf16'] / 1e9:.0f} G/s; {args.context} "
+          "tokens of context a row. Shares: the ceiling's time for the weights over the step's.\n")
+    print(f"| checkpoint | MB a token | MMAC a token | memory GB/s | 1 row tok/s | of memory's ceiling | {args.rows} "
+          "rows tok/s | GMAC/s | of compute's ceiling | compute's ceiling tok/s | ceiling / 1 row |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {Path(r['checkpoint']).name} | {r['weight_mb']:.1f} | {r['macs_per_token'] / 1e6:.1f} | "
+              f"{'-'.join(f'{b / 1e9:.0f}' for b in r['read_bytes_per_s'])} | "
               f"{r['one_row_tokens_per_s']:.0f} | {100 * r['one_row_read_share']:.0f}% | "
               f"{r['rows_tokens_per_s']:.0f} | {r['rows_macs_per_s'] / 1e9:.0f} | "
               f"{100 * r['rows_compute_share']:.0f}% | {r['compute_ceiling_tokens_per_s']:.0f} | "
               f"{r['compute_ceiling_tokens_per_s'] / r['one_row_tokens_per_s']:.2f}x |")
     if args.json:
         cli.write_file(args.json, lambda tmp: tmp.write_text(json.dumps(
-            {"read_bytes_per_s": read, "macs_per_s": ceilings, "threads": torch.get_num_threads(),
+            {"macs_per_s": ceilings, "threads": torch.get_num_threads(),
              "models": results}, indent=2)))
 
 
