@@ -16,7 +16,11 @@ Block sizes are tuned once per shape by triton.autotune, on the first call (outs
 compiled step runs once eagerly before it is recorded). More than MAX_ROWS rows (prefill) go to cuBLAS.
 
 int4 layers stay on torch's kernel (`_weight_int4pack_mm`): a kernel of this design for the stored int4 layout read
-it more slowly."""
+it more slowly.
+
+attend_paged is the engine's attention on a GPU: each query row over its own blocks of the paged KV cache where
+they lie (the softmax kept running block by block, one program per query position and KV head), so a decode step
+has fixed shapes whatever the rows' contexts and cuda_step.py records it as a CUDA graph."""
 from typing import Optional
 
 import torch
@@ -74,6 +78,34 @@ if triton is not None:
         scale = tl.load(s_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * N + rows, (tl.sum(acc, 1) * scale).to(y_ptr.dtype.element_ty), mask=rows < N)
 
+    @triton.jit
+    def attend_paged_triton(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, S, W, scale, H: tl.constexpr,
+                            HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GP: tl.constexpr):
+        # one program: query position s of row b, for the H / HKV query heads that share KV head h (GP: that many,
+        # to a power of two), over the row's blocks up to its position: the softmax kept running, block by block
+        b, s, h = tl.program_id(0) // S, tl.program_id(0) % S, tl.program_id(1)
+        g, d, j = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BS)
+        live = g < H // HKV
+        at = ((b * H + h * (H // HKV) + g) * S + s) * D  # q and out [B, H, S, D]
+        q = tl.load(q_ptr + at[:, None] + d[None, :], mask=live[:, None], other=0.0).to(tl.float32) * scale
+        last = tl.load(pos_ptr + b * S + s)  # the last position it sees
+        m = tl.full([GP], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        for i in range(0, last // BS + 1):
+            kv = ((tl.load(table_ptr + b * W + i) * HKV + h) * BS + j) * D  # pools [n_blocks, HKV, BS, D]
+            k = tl.load(k_ptr + kv[:, None] + d[None, :]).to(tl.float32)
+            v = tl.load(v_ptr + kv[:, None] + d[None, :]).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, BS]
+            scores = tl.where((i * BS + j <= last)[None, :], scores, float("-inf"))
+            top = tl.maximum(m, tl.max(scores, 1))
+            e, shrink = tl.exp(scores - top[:, None]), tl.exp(m - top)
+            total = total * shrink + tl.sum(e, 1)
+            acc = acc * shrink[:, None] + tl.sum(e[:, :, None] * v[None, :, :], axis=1)
+            m = top
+        tl.store(o_ptr + at[:, None] + d[None, :], (acc / total[:, None]).to(o_ptr.dtype.element_ty),
+                 mask=live[:, None])
+
     gemv_bf16_tuned = triton.autotune(configs((256, 512, 1024)), key=["M", "N", "K"], do_bench=bench)(
         gemv_bf16_kernel)
     gemv_int8_tuned = triton.autotune(configs((256, 512, 1024)), key=["M", "N", "K"], do_bench=bench)(
@@ -96,6 +128,22 @@ def gemv_int8(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:  # x [M, K] bf16,
     y = x.new_empty(x.size(0), w.size(0))
     gemv_int8_tuned[grid(*y.shape)](x.contiguous(), w.view(torch.int32), scales, y, x.size(0), *w.shape)
     return y
+
+
+def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, slots: int = 0) -> Tensor:
+    """Attention for a few query rows straight over a paged cache (cpu_gemv.attend_paged's arguments): q [B, H, S,
+    D], k_pool and v_pool [n_blocks, Hkv, block_size, D], table [B, W] each row's blocks in order, pos [B, S] each
+    query's position (it sees its row's positions up to it) -> [B, H, S, D]. No copy of the rows' K and V, and
+    fixed shapes whatever the context: a step on it can be recorded as a CUDA graph once per batch size."""
+    (B, H, S, D), (_, Hkv, size, _) = q.shape, k_pool.shape
+    out = torch.empty_like(q)
+    attend_paged_triton[(B * S, Hkv)](q.contiguous(), k_pool, v_pool, table, pos, out, S, table.size(1), D**-0.5,
+                                      H=H, HKV=Hkv, D=D, BS=size, GP=triton.next_power_of_2(H // Hkv))
+    return out
+
+
+def pages_ok(head_dim: int, block_size: int) -> bool:  # what attend_paged takes: powers of two
+    return triton is not None and all(n >= 16 and n & (n - 1) == 0 for n in (head_dim, block_size))
 
 
 @gemv_bf16.register_fake

@@ -20,10 +20,16 @@ from model import kv_bucket
 from paged import BlockPool, PagedCache, block_hash
 
 
-def attend_paged_kernel(model) -> Optional[Callable]:
-    """cpu_gemv.attend_paged for a model on the CPU kernels (its attention is theirs), else None."""
+def attend_paged_kernel(model, block_size: int, kv_dtype) -> Optional[Callable]:
+    """Attention straight over the pool: cpu_gemv.attend_paged for a model on the CPU kernels (its attention is
+    theirs), cuda_gemv.attend_paged on a GPU (a float cache, no sliding window); else None (the rows gathered)."""
     import cpu_gemv
-    return cpu_gemv.attend_paged if model.layers[0].attention.sdpa is cpu_gemv.sdpa else None
+    if model.layers[0].attention.sdpa is cpu_gemv.sdpa:
+        return cpu_gemv.attend_paged
+    if model.norm.weight.is_cuda and kv_dtype.is_floating_point and not model.args.sliding_window:
+        import cuda_gemv
+        return cuda_gemv.attend_paged if cuda_gemv.pages_ok(model.args.head_dim, block_size) else None
+    return None
 
 
 def paged_step(model, cache: PagedCache):
@@ -89,8 +95,13 @@ class Engine:
             raise ValueError("the engine needs the model's RoPE table: call model.setup_caches first")
         blocks = blocks or max(max_rows * self.context * 2 // (5 * block_size), -(-self.context // block_size))
         self.pool = BlockPool(blocks, block_size)
-        self.cache = PagedCache(model, self.pool, kv_dtype, attend_paged_kernel(model))
+        kv_dtype = kv_dtype or model.norm.weight.dtype
+        self.cache = PagedCache(model, self.pool, kv_dtype, attend_paged_kernel(model, block_size, kv_dtype))
         self.cpp = paged_step(model, self.cache)
+        self.graphs = None  # on a GPU with the paged attention: decode steps as CUDA graphs (cuda_step.py)
+        if self.cache.attend is not None and model.norm.weight.is_cuda:
+            import cuda_step
+            self.graphs = cuda_step.Graphs(model, self.cache, max_rows, self.context)
         self.logits = torch.empty(max_rows, model.args.vocab_size) if self.cpp is not None else None
         self.waiting: deque = deque()
         self.running: list[Request] = []
@@ -303,7 +314,11 @@ class Engine:
         return due
 
     def decode(self, rows: list[Request]):  # -> [B, V]
-        """The next token's logits of rows that each add their last token: in one C++ call where it runs the model."""
+        """The next token's logits of rows that each add their last token: in one C++ call where it runs the model,
+        as a CUDA graph's replay on a GPU."""
+        if self.graphs is not None:
+            return self.graphs.decode([r.tokens[-1] for r in rows], [r.computed for r in rows],
+                                      [r.blocks for r in rows])
         if self.cpp is None:
             return self.forward(rows, [r.tokens[-1:] for r in rows], last=False)[:, -1]
         width = max(len(r.blocks) for r in rows)

@@ -75,12 +75,14 @@ def block_hash(parent: int, tokens: tuple) -> int:
 
 
 class PagedCache:
-    """The pool's tensors, k and v [n_blocks, n_kv_head, block_size, head_dim] for every layer, and the per-layer
+    """The pool's tensors, k and v [n_blocks + 1, n_kv_head, block_size, head_dim] for every layer, and the per-layer
     views (PagedLayer) that stand in for a model's static KVCache during one forward pass."""
 
     def __init__(self, model, pool: BlockPool, dtype: Optional[torch.dtype] = None, attend=None):
         a, w = model.args, model.norm.weight
-        shape = (pool.n_blocks, a.n_kv_head, pool.block_size, a.head_dim)
+        # one block past the pool's, which no request ever holds: where a batch's padding rows write (cuda_step.py)
+        self.spare = pool.n_blocks
+        shape = (pool.n_blocks + 1, a.n_kv_head, pool.block_size, a.head_dim)
         with torch.inference_mode(False):  # written in place by every later step
             self.k = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]
             self.v = [torch.zeros(shape, dtype=dtype or w.dtype, device=w.device) for _ in range(a.n_layer)]

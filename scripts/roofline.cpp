@@ -9,7 +9,9 @@
 
 #include <chrono>
 
-static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+static double now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // independent accumulators a thread: more than latency x throughput of each instruction, fewer than the registers
 #ifdef __AVX512F__

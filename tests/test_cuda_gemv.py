@@ -46,12 +46,40 @@ print(json.dumps(errors))
 """
 
 
-def interpreted(cases: list) -> list[float]:
+def interpreted(cases: list, script: str = INTERPRETED) -> list[float]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-c", INTERPRETED, str(ROOT), json.dumps(cases)], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", script, str(ROOT), json.dumps(cases)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.splitlines()[-1])
+
+
+PAGED = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import cpu_gemv, cuda_gemv
+torch.manual_seed(0)
+errors = []
+for B, H, Hkv, S, D, size, n in json.loads(sys.argv[2]):
+    q = torch.randn(B, H, S, D).bfloat16()
+    k, v = (torch.randn(n, Hkv, size, D).bfloat16() for _ in range(2))
+    table = torch.stack([torch.randperm(n)[:4] for _ in range(B)])  # [B, 4]: each row's blocks, out of order
+    pos = torch.tensor([[min(4 * size - 1, 5 + 17 * b + s) for s in range(S)] for b in range(B)])  # [B, S]
+    ref = cpu_gemv.attend_paged_reference(q.float(), k, v, table, pos)
+    out = cuda_gemv.attend_paged(q, k, v, table, pos).float()
+    errors.append(((out - ref).abs().max() / ref.abs().max()).item())
+print(json.dumps(errors))
+"""
+
+
+@needs_triton
+def test_paged_attention_kernel_matches_the_gathered_reference():
+    # decode rows with 3 query heads a KV head; a chunk of 3 positions, no grouping; 2 heads a KV head, D 32
+    cases = [(3, 6, 2, 1, 64, 16, 9), (2, 4, 4, 3, 32, 16, 6), (2, 9, 3, 1, 64, 16, 5)]
+    errors = interpreted(cases, PAGED)
+    assert len(errors) == 3 and max(errors) < 1e-2  # bf16 output
+    assert not cuda_gemv.pages_ok(48, 16) and not cuda_gemv.pages_ok(64, 12) and cuda_gemv.pages_ok(64, 16) == (
+        cuda_gemv.triton is not None)
 
 
 # rows not a multiple of the block, several rows of x, K a multiple of 4 but not of the block

@@ -53,6 +53,8 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
 
 def test_the_paged_cache_needs_only_torch_and_the_engine_sits_beside_the_decoding_loops():
     assert GRAPH["paged"] == set()
-    assert GRAPH["engine"] <= {"paged", "generate", "guided", "cli", "model", "cpu_gemv", "cpu_step"}
+    assert GRAPH["engine"] <= {"paged", "generate", "guided", "cli", "model", "cpu_gemv", "cpu_step", "cuda_gemv",
+                               "cuda_step"}
+    assert GRAPH["cuda_step"] == set()  # the recorded step takes the cache and the model it is given
     assert "engine" in GRAPH["llm"]
     assert not GRAPH["engine"] & {"speculative", "trees", "llm", "tp", "chat"}
