@@ -26,7 +26,7 @@ class Graphs:
 
     def __init__(self, model, cache, max_rows: int, context: int, record: bool = True):
         device, size = model.norm.weight.device, cache.pool.block_size
-        self.cache, self.model, self.size, self.sizes = cache, model, size, ladder(max_rows)
+        self.cache, self.size, self.sizes = cache, size, ladder(max_rows)
         n, width = self.sizes[-1], -(-context // size)
 
         def fixed(fill, *shape, dtype=torch.long):
@@ -68,17 +68,19 @@ class Graphs:
     @torch.inference_mode()
     def decode(self, tokens: list[int], pos: list[int], tables: list[list[int]]) -> Tensor:
         """The logits [B, V] of B rows that each add one token (tokens[i] at position pos[i], its blocks
-        tables[i]): written into the fixed places, the rest of the size's rows padding, then replayed."""
-        B, width, spare = len(tokens), self.table.size(1), self.cache.spare
+        tables[i]): written into the fixed places, the rest of the size's rows padding, then replayed. Only the
+        tables' first columns are written, as many as the longest holds: what lies past a row's last block is never
+        attended (masked where the rows are gathered), whatever an earlier step left there."""
+        B, spare, used = len(tokens), self.cache.spare, max(len(t) for t in tables)
         b = next(n for n in self.sizes if n >= B)
         slots = [t[p // self.size] * self.size + p % self.size for t, p in zip(tables, pos)]
         pad = b - B
         rows = torch.tensor([[t, p, s] for t, p, s in zip(tokens, pos, slots)] + [[0, 0, spare * self.size]] * pad)
-        table = torch.tensor([t + [spare] * (width - len(t)) for t in tables] + [[spare] * width] * pad)
+        table = torch.tensor([t + [spare] * (used - len(t)) for t in tables] + [[spare] * used] * pad)  # [b, used]
         self.tokens[:b].copy_(rows[:, :1], non_blocking=True)
         self.pos[:b].copy_(rows[:, 1:2], non_blocking=True)
         self.slots[:b].copy_(rows[:, 2:], non_blocking=True)
-        self.table[:b].copy_(table, non_blocking=True)
+        self.table[:b, :used].copy_(table, non_blocking=True)
         graph: Optional[torch.cuda.CUDAGraph] = self.graphs.get(b)
         graph.replay() if graph is not None else self.run(b)
         return self.logits[:B]
