@@ -15,7 +15,6 @@ from typing import Callable, Optional
 
 import torch
 
-from generate import logits_to_probs
 from model import kv_bucket
 from paged import BlockPool, PagedCache, block_hash
 
@@ -42,6 +41,47 @@ def paged_step(model, cache: PagedCache):
     if step is not None:
         step.cpp.set_pools(cache.k, cache.v)
     return step
+
+
+def draw(p, generator) -> int:  # p [K] >= 0, not all 0 -> index i with probability p[i] / sum(p)
+    """One uniform from the generator against p's running sum: a draw over a whole vocabulary in tens of
+    microseconds on a CPU, where torch.multinomial and an exponential race each took a millisecond."""
+    c = p.cumsum(0)
+    u = torch.rand(1, generator=generator, device=p.device) * c[-1]
+    return int(torch.searchsorted(c, u, right=True).clamp_(max=p.numel() - 1))
+
+
+def draw_nucleus(p, top_p: float, generator) -> int:  # p [V] probabilities
+    """A draw from p's nucleus without sorting (FlashInfer's rejection idea): a token drawn from p is in it when the
+    tokens more likely than it hold less than top_p; if not, no token as unlikely is, and the next draw is among
+    the more likely ones. The most likely token is always in, so it ends, after about 1 / top_p draws."""
+    q = p
+    while True:
+        j = draw(q, generator)
+        if float(p.masked_fill(p <= p[j], 0.0).sum()) < top_p:
+            return j
+        q = q.masked_fill(q <= p[j], 0.0)
+
+
+def sample_rows(logits, rows: list) -> list[int]:
+    """A token for each row of logits [N, V], drawn from what logits_to_probs gives for its request's temperature,
+    top_k and top_p, with the request's own generator (so a seeded request draws the same whatever shares its
+    batch): temperatures and probabilities in one op for all rows, the top_k candidates in one top-k."""
+    x = logits.float() / torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)[:, None]
+    cut = [i for i, r in enumerate(rows) if r.top_k]
+    top = x[cut].topk(min(max(rows[i].top_k for i in cut), x.size(-1))) if cut else None  # [n, K], best first
+    p = x.softmax(-1) if len(cut) < len(rows) else None  # [N, V]
+    tokens = []
+    for i, r in enumerate(rows):
+        if not r.top_k:
+            tokens.append(draw(p[i], r.generator) if r.top_p >= 1.0 else draw_nucleus(p[i], r.top_p, r.generator))
+            continue
+        v, t = (z[cut.index(i), : r.top_k] for z in top)
+        q = v.softmax(0)
+        if r.top_p < 1.0:  # the nucleus of its top_k, ranked
+            q = q.masked_fill(q.cumsum(0) - q >= r.top_p, 0.0)  # once those above hold top_p; the first stays
+        tokens.append(int(t[draw(q, r.generator)]))
+    return tokens
 
 
 @dataclass(eq=False)
@@ -309,9 +349,34 @@ class Engine:
         if due:  # every row's check and greedy pick in one op each, read back once
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, V]
             finite, greedy = torch.isfinite(rows.sum(-1)).tolist(), rows.argmax(-1).tolist()
-            for i, r in enumerate(due):
-                self.emit(r, rows[i], greedy[i] if finite[i] else None)
+            for r, token in zip(due, self.pick(due, rows, finite, greedy)):
+                self.emit(r, token)
         return due
+
+    def pick(self, due: list[Request], rows, finite: list[bool], greedy: list[int]) -> list[Optional[int]]:
+        """Each due row's next token from its logits (rows [N, V]): its grammar's mask applied, then the argmax
+        (temperature 0) or a draw, the sampled rows together (sample_rows); None where the logits are not finite."""
+        picks: list[Optional[int]] = [g if ok else None for g, ok in zip(greedy, finite)]
+        drawn = []
+        for i, r in enumerate(due):
+            if not finite[i] or (r.matcher is None and r.temperature == 0):
+                continue
+            logits = rows[i] if r.matcher is None else self.masked(r, rows[i])  # [V]
+            if r.temperature == 0:
+                picks[i] = int(logits.argmax())
+            else:
+                drawn.append((i, logits))
+        if drawn:
+            tokens = sample_rows(torch.stack([l for _, l in drawn]), [due[i] for i, _ in drawn])
+            for (i, _), token in zip(drawn, tokens):
+                picks[i] = token
+        return picks
+
+    def masked(self, r: Request, logits):  # logits [V] -> [V], the tokens r's grammar forbids at -inf
+        import guided
+        bits = torch.full((1, (logits.size(-1) + 31) // 32), -1, dtype=torch.int32)
+        r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
+        return logits.masked_fill(~guided.allowed_tokens(bits.to(logits.device), logits.size(-1))[0], -float("inf"))
 
     def decode(self, rows: list[Request]):  # -> [B, V]
         """The next token's logits of rows that each add their last token: in one C++ call where it runs the model,
@@ -363,19 +428,11 @@ class Engine:
             if self.computing.get(r.hashes[-1]) is r:
                 del self.computing[r.hashes[-1]]
 
-    def emit(self, r: Request, logits, greedy: Optional[int]):  # logits [V]
-        """Sample r's next token (greedy: the argmax already known, None where the logits are not finite) and
-        decide whether r is done."""
-        if greedy is None:
+    def emit(self, r: Request, token: Optional[int]):
+        """Give r its next token (None: its logits were not finite) and decide whether r is done."""
+        if token is None:
             return self.finish(r, "error", "the model's logits became NaN or infinite: the weights or the dtype "
                                            "overflow; try the float32 dtype")
-        if r.matcher is not None:
-            import guided
-            bits = torch.full((1, (logits.size(-1) + 31) // 32), -1, dtype=torch.int32)
-            r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
-            logits = logits.masked_fill(~guided.allowed_tokens(bits.to(logits.device), logits.size(-1))[0],
-                                        -float("inf"))
-        token = greedy if r.temperature == 0 and r.matcher is None else self.sample(r, logits)
         r.times.setdefault("first", time.perf_counter())
         if r.matcher is not None and not r.matcher.consume_token(token):
             return self.finish(r, "error", f"the grammar rejected token {token}: {r.matcher.get_error()}")
@@ -391,14 +448,6 @@ class Engine:
             return self.finish(r, "stop")
         if len(r.out) >= r.max_new_tokens:  # "incomplete": cut before its grammar was satisfied
             self.finish(r, "incomplete" if r.matcher is not None and not r.matcher.is_accepting() else "length")
-
-    def sample(self, r: Request, logits) -> int:  # logits [V]
-        if r.temperature == 0:
-            return int(logits.argmax())
-        probs = logits_to_probs(logits[None], r.temperature, r.top_k, r.top_p)  # [1, V]
-        # argmax(p / Exp(1)) is a draw from p; each request's own generator makes its draws its own
-        q = torch.empty_like(probs).exponential_(1, generator=r.generator).clamp_(min=torch.finfo(probs.dtype).tiny)
-        return int((probs / q).argmax())
 
     def run(self, requests: list[Request], progress: Optional[Callable] = None) -> list[Request]:
         """Add every request and step until all are done; progress(request) as each finishes."""

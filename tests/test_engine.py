@@ -166,6 +166,21 @@ def test_sampled_requests_with_a_seed_are_reproducible_whatever_shares_their_bat
     assert sampled(0) == sampled(5) and len(set(sampled(0))) > 1
 
 
+@pytest.mark.parametrize("options", [dict(temperature=0.7), dict(temperature=1.0, top_k=4),
+                                     dict(temperature=1.0, top_p=0.6), dict(temperature=1.3, top_k=6, top_p=0.5)])
+def test_the_engines_draws_follow_the_distribution_generate_py_samples_from(options):
+    from engine import sample_rows
+    from generate import logits_to_probs
+    logits = torch.tensor([[2.0, 1.5, 1.4, 0.3, -0.2, 0.9, -1.0, 0.0, 1.1, -3.0, 0.5, 0.2]])  # [1, V]
+    want = logits_to_probs(logits, options["temperature"], options.get("top_k"), options.get("top_p", 1.0))[0]
+    rows = [Request([1], **options, seed=i) for i in range(6000)]
+    for r in rows:
+        r.generator = torch.Generator().manual_seed(r.seed)
+    seen = torch.bincount(torch.tensor(sample_rows(logits.expand(len(rows), -1), rows)), minlength=12) / len(rows)
+    assert seen[want == 0].sum() == 0  # nothing outside the top_k and the nucleus
+    assert (seen - want).abs().max() < 0.025  # 6,000 draws: a frequency's spread is about 0.006
+
+
 def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expected):
     ps, want = expected
     eos = want[0][5]
