@@ -88,11 +88,11 @@ def peer_gguf(name: str, tools: Path, work: Path) -> Path:
     return out if out.exists() else llama_cpp.quantize_gguf(tools, smollm2_gguf(), out, kind)
 
 
-def run_ours(engine: Engine, reqs: list[tuple[list[int], int]]) -> dict:
-    """One timed run of the workload through the engine."""
+def run_ours(engine: Engine, reqs: list[tuple[list[int], int]], sampling: dict) -> dict:
+    """One timed run of the workload through the engine (request i sampling with seed i)."""
     engine.stats.update(dict.fromkeys(engine.stats, 0))
     t0 = time.perf_counter()
-    done = engine.run([Request(p, max_new_tokens=n) for p, n in reqs])
+    done = engine.run([Request(p, max_new_tokens=n, seed=i, **sampling) for i, (p, n) in enumerate(reqs)])
     seconds = time.perf_counter() - t0
     s, out = engine.stats, sum(len(r.out) for r in done)
     return {"seconds": seconds, "new_tokens": out, "prompt_tokens": s["prompt_tokens"], "tokens_per_s": out / seconds,
@@ -100,10 +100,10 @@ def run_ours(engine: Engine, reqs: list[tuple[list[int], int]]) -> dict:
             "peak_blocks": s["peak_blocks"], "steps": s["steps"], "preempted": s["preempted"]}
 
 
-def run_theirs(url: str, reqs: list[tuple[list[int], int]], concurrency: int) -> dict:
+def run_theirs(url: str, reqs: list[tuple[list[int], int]], concurrency: int, sampling: dict) -> dict:
     """One timed run of the workload through llama-server, after the same warm-up as ours gets."""
-    llama_server.serve_workload(url, [(p[:32], 8) for p, _ in reqs[:concurrency]], concurrency)
-    return llama_server.serve_workload(url, reqs, concurrency)
+    llama_server.serve_workload(url, [(p[:32], 8) for p, _ in reqs[:concurrency]], concurrency, sampling)
+    return llama_server.serve_workload(url, reqs, concurrency, sampling)
 
 
 def bench_model(name: str, args, work: Path, tools) -> dict:
@@ -118,6 +118,7 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
                          f"{model.args.block_size}; lower --lengths")
     model.setup_caches(1, longest)
     single = batch_one(model, generate.build_steps(compile=True))
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) if args.temperature else {}
     engine = Engine(model, max_rows=args.concurrency)
     engine.run([Request(p[:32], max_new_tokens=8) for p, _ in reqs[: args.concurrency]])  # warm-up: allocations
     cmd = llama_server.server_command(tools, peer_gguf(name, tools, work), torch.get_num_threads(),
@@ -125,9 +126,9 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
     ours, theirs = [], []
     with llama_server.llama_server(cmd) if cmd else contextlib.nullcontext() as url:
         for _ in range(args.rounds):
-            ours.append(run_ours(engine, reqs))
+            ours.append(run_ours(engine, reqs, sampling))
             if url:
-                theirs.append(run_theirs(url, reqs, args.concurrency))
+                theirs.append(run_theirs(url, reqs, args.concurrency, sampling))
     per_block = engine.cache.bytes_per_block()
     static = args.concurrency * longest * per_block / engine.pool.block_size
     peak = max(r["peak_blocks"] for r in ours) * per_block
@@ -147,11 +148,16 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
     return out
 
 
+def sampled(args) -> str:
+    return f", sampling at temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}" \
+        if args.temperature else ""
+
+
 def print_tables(results: dict, args):
     print(f"\n{args.requests} requests, {args.concurrency} at once, lengths {args.lengths[0]}-{args.lengths[1]} "
           f"({results['machine']['cpu']}, {cpu_gemv.kernels} kernels, {results['machine']['threads']} threads"
           f"{'' if args.device == 'cpu' else ', on ' + results['machine']['device']}"
-          f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''})\n")
+          f"{f', median of {args.rounds} rounds' if args.rounds > 1 else ''}{sampled(args)})\n")
     print("| model | new tokens/s | prefill tokens/s | batch-1 decode tokens/s | over batch 1 | peak KV | of static |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in results["models"].items():
@@ -182,6 +188,11 @@ def main(argv=None):
     p.add_argument("--lengths", type=cli.positive_int, nargs=2, default=[32, 512], metavar=("LO", "HI"),
                    help="prompt and output lengths are drawn uniformly from LO..HI")
     p.add_argument("--seed", type=int, default=0, help="draws the workload")
+    p.add_argument("--temperature", type=cli.finite_float, default=0.0, help="0: greedy (the default); else every "
+                   "request samples, request i with seed i")
+    p.add_argument("--top_k", type=cli.positive_int, help="with --temperature: sample among the k most likely")
+    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="with --temperature: sample among the most "
+                   "likely tokens holding this much probability")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the engine on the GPU, its "
                    "decode steps as CUDA graphs")
@@ -195,6 +206,9 @@ def main(argv=None):
     args = cli.one_line_errors(p).parse_args(argv)
     if args.lengths[0] > args.lengths[1]:
         cli.fail(f"--lengths {args.lengths[0]} {args.lengths[1]}: the first must not exceed the second")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        cli.fail(f"--temperature {args.temperature} --top_p {args.top_p}: the temperature must be at least 0 and "
+                 "top_p in (0, 1]")
     if args.device == "cuda" and not torch.cuda.is_available():
         cli.fail("--device cuda: this torch sees no CUDA GPU")
     if args.device == "cuda" and args.peer:
@@ -212,6 +226,7 @@ def main(argv=None):
                            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "requests": args.requests,
                "concurrency": args.concurrency, "lengths": args.lengths, "seed": args.seed, "rounds": args.rounds,
+               "sampling": dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
                "models": {}}
     if tools:
         results["llama_cpp"] = llama_cpp.version(tools)

@@ -11,6 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Optional
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -100,11 +101,14 @@ def llama_server(cmd: list[str]):
         yield url
 
 
-def complete(url: str, prompt: list[int], n: int) -> dict:
-    """One request: the prompt's token ids, exactly n new tokens (no end-of-sequence stop), greedy, nothing reused
-    from an earlier prompt. Its answer, once checked to hold n tokens."""
+def complete(url: str, prompt: list[int], n: int, sampling: Optional[dict] = None) -> dict:
+    """One request: the prompt's token ids, exactly n new tokens (no end-of-sequence stop), greedy or as sampling
+    says (temperature, top_k, top_p; its other samplers off), nothing reused from an earlier prompt. Its answer, once
+    checked to hold n tokens."""
+    s = sampling or {}
     body = json.dumps({"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": False,
-                       "temperature": 0.0, "stream": False}).encode()
+                       "temperature": s.get("temperature", 0.0), "top_k": s.get("top_k") or 0,
+                       "top_p": s.get("top_p", 1.0), "min_p": 0.0, "stream": False}).encode()
     request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
     try:
         with LOCAL.open(request, timeout=3600) as r:
@@ -118,7 +122,8 @@ def complete(url: str, prompt: list[int], n: int) -> dict:
     return answer
 
 
-def serve_workload(url: str, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
+def serve_workload(url: str, requests: list[tuple[list[int], int]], concurrency: int,
+                   sampling: Optional[dict] = None) -> dict:
     """The requests through the server from `concurrency` client threads, in order: at most that many in flight,
     each thread taking the next request when its last one is answered. New tokens per second over the whole run (from
     the first send to the last answer), and prompt tokens per second as its timings give them (each request's prompt
@@ -126,7 +131,7 @@ def serve_workload(url: str, requests: list[tuple[list[int], int]], concurrency:
     ends = [0.0] * len(requests)
 
     def one(i: int) -> dict:
-        answer = complete(url, *requests[i])
+        answer = complete(url, *requests[i], sampling)
         ends[i] = time.perf_counter()
         return answer
 

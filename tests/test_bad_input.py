@@ -303,6 +303,7 @@ ROWS = {
                                "--concurrency"),
     "bench_engine_lengths_reversed": (BENCH_E, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
     "bench_engine_peer_on_a_gpu": (BENCH_E, lambda t, c, s: ["--device", "cuda", "--peer", "llama.cpp"], "--device"),
+    "bench_engine_top_p_zero": (BENCH_E, lambda t, c, s: ["--temperature", 1, "--top_p", 0], "top_p"),
     "bench_engine_json_onto_a_users_file": (BENCH_E, lambda t, c, s: ["--json", user_folder(t, "r.json") / "r.json"],
                                             "not an earlier output"),
     "serve_missing_checkpoint": (SERVE, lambda t, c, s: ["--checkpoint_path", t / "nope"], "not found"),
