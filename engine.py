@@ -47,8 +47,8 @@ def draw(p, generator) -> int:  # p [K] >= 0, not all 0 -> index i with probabil
     """One uniform from the generator against p's running sum: a draw over a whole vocabulary in tens of
     microseconds on a CPU, where torch.multinomial and an exponential race each took a millisecond."""
     c = p.cumsum(0)
-    u = torch.rand(1, generator=generator, device=p.device) * c[-1]
-    return int(torch.searchsorted(c, u, right=True).clamp_(max=p.numel() - 1))
+    u = (1 - torch.rand(1, generator=generator, device=p.device)) * c[-1]  # in (0, sum]: never a token of p 0
+    return int(torch.searchsorted(c, u))  # the first whose running sum reaches u
 
 
 def draw_nucleus(p, top_p: float, generator) -> int:  # p [V] probabilities

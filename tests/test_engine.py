@@ -181,6 +181,14 @@ def test_the_engines_draws_follow_the_distribution_generate_py_samples_from(opti
     assert (seen - want).abs().max() < 0.025  # 6,000 draws: a frequency's spread is about 0.006
 
 
+def test_a_draw_never_lands_on_a_token_of_probability_zero_at_either_end_or_between():
+    from engine import draw
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0])
+    seen = torch.bincount(torch.tensor([draw(p, g) for _ in range(4000)]), minlength=7)
+    assert set(seen.nonzero().flatten().tolist()) == {2, 4} and abs(seen[2] / 4000 - 0.25) < 0.03
+
+
 def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expected):
     ps, want = expected
     eos = want[0][5]
