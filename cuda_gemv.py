@@ -136,8 +136,9 @@ def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: 
     query's position (it sees its row's positions up to it) -> [B, H, S, D]. No copy of the rows' K and V, and
     fixed shapes whatever the context: a step on it can be recorded as a CUDA graph once per batch size."""
     (B, H, S, D), (_, Hkv, size, _) = q.shape, k_pool.shape
+    q = q.contiguous()  # model.py's q is a transposed view; the kernel and its output are [B, H, S, D] in order
     out = torch.empty_like(q)
-    attend_paged_triton[(B * S, Hkv)](q.contiguous(), k_pool, v_pool, table, pos, out, S, table.size(1), D**-0.5,
+    attend_paged_triton[(B * S, Hkv)](q, k_pool, v_pool, table, pos, out, S, table.size(1), D**-0.5,
                                       H=H, HKV=Hkv, D=D, BS=size, GP=triton.next_power_of_2(H // Hkv))
     return out
 

@@ -61,7 +61,7 @@ import cpu_gemv, cuda_gemv
 torch.manual_seed(0)
 errors = []
 for B, H, Hkv, S, D, size, n in json.loads(sys.argv[2]):
-    q = torch.randn(B, H, S, D).bfloat16()
+    q = torch.randn(B, S, H, D).bfloat16().transpose(1, 2)  # [B, H, S, D] as model.py passes it: a view
     k, v = (torch.randn(n, Hkv, size, D).bfloat16() for _ in range(2))
     table = torch.stack([torch.randperm(n)[:4] for _ in range(B)])  # [B, 4]: each row's blocks, out of order
     pos = torch.tensor([[min(4 * size - 1, 5 + 17 * b + s) for s in range(S)] for b in range(B)])  # [B, S]
