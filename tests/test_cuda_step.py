@@ -1,5 +1,12 @@
 """cuda_step.py: the engine's decode step at fixed shapes, rows padded to a ladder of batch sizes, recorded as CUDA
 graphs on a GPU. On a CPU the same fixed-shape step runs unrecorded, which checks the padding and the spare block."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -58,6 +65,34 @@ def test_padding_rows_write_the_spare_block_and_no_other():
         assert torch.equal(a[:spare][~mine[:spare]], b[:spare][~mine[:spare]])  # nothing else in the pool moved
         assert torch.allclose(a[mine], b[mine], rtol=1e-5, atol=1e-6)  # (a batch of 4 rounds as one of 3 nearly)
     assert any(not torch.equal(a[spare], b[spare]) for a, b in zip(after, before))  # the padding's token 0
+
+
+# Runs in a child process: TRITON_INTERPRET is read when cuda_gemv defines its kernels
+INTERPRETED = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import cuda_gemv, engine
+from cuda_step import Graphs
+from test_engine import alone, prompts, tiny
+engine.attend_paged_kernel = lambda *args: cuda_gemv.attend_paged  # the GPU's attention, on CPU tensors
+model = tiny(dim=64)
+ps = prompts(7, 5, 5, 60)
+e = engine.Engine(model, blocks=80, block_size=16, max_rows=4, budget=40)  # 3 rows pad to 4; chunks of 40
+e.graphs = Graphs(model, e.cache, 4, e.context, record=False)
+done = e.run([engine.Request(p, max_new_tokens=12) for p in ps])
+print(json.dumps([[r.out for r in done], [alone(model, p, 12) for p in ps]]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="Triton is not installed, or a GPU runs the kernel for real")
+def test_the_gpu_engine_path_in_triton_s_interpreter_gives_each_request_its_tokens_alone():
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", INTERPRETED, str(root)], capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got, want = json.loads(r.stdout.splitlines()[-1])
+    assert got == want
 
 
 @needs_cuda
