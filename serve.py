@@ -74,7 +74,7 @@ def sampling(body: dict) -> dict:
     top_p = 1.0 if body.get("top_p") is None else body["top_p"]
     need(number(top_p) and 0 < top_p <= 1, "top_p must be a number in (0, 1]", "top_p")
     top_k = body.get("top_k")
-    need(top_k is None or whole(top_k) and top_k >= 1, "top_k must be a whole number of at least 1", "top_k")
+    need(top_k is None or whole(top_k) and top_k >= 0, "top_k must be a whole number (0: no limit)", "top_k")
     seed = body.get("seed")
     need(seed is None or whole(seed), "seed must be a whole number", "seed")
     stop = body.get("stop")
@@ -88,7 +88,7 @@ def sampling(body: dict) -> dict:
     options = body.get("stream_options")
     need(options is None or isinstance(options, dict) and options.get("include_usage") in (None, True, False),
          "stream_options must be an object whose include_usage is true or false", "stream_options")
-    return dict(max_new_tokens=limit, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+    return dict(max_new_tokens=limit, temperature=float(temperature), top_k=top_k or None, top_p=float(top_p),
                 seed=None if seed is None else seed % 2**64, stop=stop or None, n=n, ignore_eos=bool(body.get(
                     "ignore_eos")), stream=bool(body.get("stream")), usage=bool((options or {}).get("include_usage")),
                 grammar=grammar(body.get("response_format")))

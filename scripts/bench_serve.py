@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.parse
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +58,15 @@ def completions_url(url: str) -> urllib.parse.SplitResult:
     return parts._replace(path=path + "/completions")
 
 
-def stream_completion(url: str, model: str, prompt: list[int], n: int, timeout: float = TIMEOUT_S) -> dict:
-    """One streamed request: `prompt` (token ids), exactly n new tokens, greedy. What it took: when it was sent and
-    ended (time.perf_counter), when each chunk carrying text came, the tokens and prompt tokens its usage counted,
-    and an error (one line) when it failed or answered other than n tokens."""
+def stream_completion(url: str, model: str, prompt: list[int], n: int, timeout: float = TIMEOUT_S,
+                      sampling: Optional[dict] = None) -> dict:
+    """One streamed request: `prompt` (token ids), exactly n new tokens, greedy or as `sampling` says (the body's
+    temperature, top_p, top_k and min_p). What it took: when it was sent and ended (time.perf_counter), when each
+    chunk carrying text came, the tokens and prompt tokens its usage counted, and an error (one line) when it failed
+    or answered other than n tokens."""
     target = completions_url(url)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": n, **(sampling or {"temperature": 0}),
+                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
     kind = http.client.HTTPSConnection if target.scheme == "https" else http.client.HTTPConnection
     r = {"prompt": len(prompt), "asked": n, "sent": time.perf_counter(), "chunks": [], "tokens": None,
          "prompt_tokens": None, "cached": None, "error": None}
@@ -129,13 +132,13 @@ def fresh_ids(requests: list[tuple[list[int], int]], vocab: int, seed: str) -> l
 
 
 def run_load(url: str, model: str, requests: list[tuple[list[int], int]], offsets: list[float],
-             timeout: float = TIMEOUT_S) -> tuple[float, list[dict]]:
+             timeout: float = TIMEOUT_S, sampling: Optional[dict] = None) -> tuple[float, list[dict]]:
     """Each request sent at its offset from now by a thread of its own, whatever is in flight (open loop); waits for
     all. The start (time.perf_counter) and each request's record (stream_completion's, and when it was due)."""
     records: list = [None] * len(requests)
 
     def one(i: int, due: float):
-        records[i] = stream_completion(url, model, *requests[i], timeout)
+        records[i] = stream_completion(url, model, *requests[i], timeout, sampling)
         records[i]["due"] = due
 
     threads, t0 = [], time.perf_counter()
@@ -217,10 +220,10 @@ def warm_up(url: str, model: str, vocab: int, slots: int, name: str):
         raise ValueError(f"{name} failed a warm-up request: {failed}")
 
 
-def measure(url: str, model: str, requests, offsets, rate: float, timeout: float, processes: dict, side: str) -> dict:
+def measure(url: str, model: str, requests, offsets, rate: float, args, processes: dict, side: str) -> dict:
     """One run, with the CPU time each started server took meanwhile: this side's own, and any other's (idle)."""
     before = {s: cpu_seconds(p.pid) for s, p in processes.items()}
-    t0, records = run_load(url, model, requests, offsets, timeout)
+    t0, records = run_load(url, model, requests, offsets, args.timeout, sampling(args))
     out = summarize(t0, records, rate)
     for s, p in processes.items():
         after = cpu_seconds(p.pid)
@@ -257,11 +260,19 @@ def bench_model(name: str, args, work: Path, tools) -> tuple[list[dict], dict]:
             offsets = arrivals(args.requests, rate, args.seed)
             for side in args.servers:
                 sent = fresh_ids(requests, config.vocab_size, f"{args.seed}-{i}")  # both sides: the same
-                run = measure(urls[side], served[side], sent, offsets, rate, args.timeout, processes, side)
+                run = measure(urls[side], served[side], sent, offsets, rate, args, processes, side)
                 runs.append({"model": name, "server": side, **run})
                 print(f"{name} {side} at {rate:g} requests/s: {run['seconds']:.0f} s, {run['errors']} errors",
                       file=sys.stderr, flush=True)
     return runs, commands
+
+
+def sampling(args) -> dict:
+    """The sampling fields of every request: greedy, or --temperature and --top_p with the servers' other samplers
+    off (llama-server's top_k of 40 and min_p of 0.05 by default)."""
+    if not args.temperature:
+        return {"temperature": 0}
+    return {"temperature": args.temperature, "top_p": args.top_p, "top_k": 0, "min_p": 0.0}
 
 
 def served_model(url: str, otherwise: str = "default") -> tuple[str, int | None, str]:
@@ -288,7 +299,8 @@ def bench_url(args) -> tuple[list[dict], dict]:
     runs = []
     for i, rate in enumerate(args.rates):
         sent = fresh_ids(requests, vocab, f"{args.seed}-{i}")
-        run = summarize(*run_load(args.url, model, sent, arrivals(args.requests, rate, args.seed), args.timeout), rate)
+        offsets = arrivals(args.requests, rate, args.seed)
+        run = summarize(*run_load(args.url, model, sent, offsets, args.timeout, sampling(args)), rate)
         runs.append({"model": model, "server": args.url, **run})
         print(f"{args.url} at {rate:g} requests/s: {run['seconds']:.0f} s, {run['errors']} errors", file=sys.stderr,
               flush=True)
@@ -302,7 +314,8 @@ def print_table(results: dict):
     lo, hi = results["lengths"]
     print(f"\n{results['requests']} requests per rate, Poisson arrivals, prompt and output lengths {lo}-{hi}"
           + ("" if "url" in results else f", {results['slots']} slots, {results['threads']} CPU thread(s) each")
-          + "\n")
+          + ("" if not results["sampling"]["temperature"] else f", sampling at temperature "
+             f"{results['sampling']['temperature']:g}, top_p {results['sampling']['top_p']:g}") + "\n")
     print("| model | server | rate req/s | done req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
           "| ITL p99 ms | errors |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -378,6 +391,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", type=cli.positive_int, nargs=2, default=[32, 512], metavar=("LO", "HI"),
                    help="prompt and output lengths are drawn uniformly from LO..HI")
     p.add_argument("--seed", type=int, default=0, help="draws the requests and their arrival times")
+    p.add_argument("--temperature", type=cli.finite_float, default=0.0, help="0: greedy requests (the default); "
+                   "else every request samples at this temperature")
+    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="with --temperature: the nucleus")
     p.add_argument("--slots", type=cli.positive_int, help="requests each started server decodes at once: "
                    "serve.py's --max_rows, llama-server's -np, continuous batching (default: 16)")
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads of each started server (default: the "
@@ -392,6 +408,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = cli.one_line_errors(p).parse_args(argv)
     if args.lengths[0] > args.lengths[1]:
         cli.fail(f"--lengths {args.lengths[0]} {args.lengths[1]}: the first must not exceed the second")
+    if not 0 <= args.temperature <= 2 or not 0 < args.top_p <= 1:
+        cli.fail(f"--temperature {args.temperature} --top_p {args.top_p}: the temperature must be from 0 to 2 and "
+                 "top_p in (0, 1]")
     if args.url:
         given = [f for f, v in (("--servers", args.servers), ("--models", args.models), ("--llama_cpp", args.llama_cpp),
                                 ("--slots", args.slots), ("--threads", args.threads)) if v]
@@ -419,7 +438,8 @@ def main(argv=None):
     args = parse_args(argv)
     cli.check_output_file(args.json, "--json", '"itl_p99_ms"')
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "requests": args.requests, "lengths": args.lengths,
-               "seed": args.seed, "rates": args.rates, "ttft_slo_s": args.ttft_slo, "servers": {}, "runs": []}
+               "seed": args.seed, "rates": args.rates, "ttft_slo_s": args.ttft_slo, "sampling": sampling(args),
+               "servers": {}, "runs": []}
     if args.url:
         results["url"] = args.url
         results["runs"], _ = bench_url(args)

@@ -313,6 +313,7 @@ ROWS = {
                                "cannot listen"),
     "bench_serve_rate_zero": (BENCH_SERVE, lambda t, c, s: ["--rates", 1, 0], "--rates"),
     "bench_serve_lengths_reversed": (BENCH_SERVE, lambda t, c, s: ["--lengths", 10, 5], "--lengths"),
+    "bench_serve_temperature_past_2": (BENCH_SERVE, lambda t, c, s: ["--temperature", 3], "--temperature"),
     "bench_serve_url_with_models": (BENCH_SERVE, lambda t, c, s: ["--url", "http://127.0.0.1:9", "--models",
                                                                   "builtin"], "--models"),
     "bench_serve_url_nothing_answers": (BENCH_SERVE, lambda t, c, s: ["--url", "http://127.0.0.1:9", "--json",

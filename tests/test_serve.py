@@ -152,6 +152,14 @@ def test_n_choices_with_a_seed_are_reproducible_and_differ_from_each_other(built
     assert ask() == first and len(set(first)) == 3
 
 
+def test_top_k_zero_means_no_limit_as_llama_server_and_vllm_read_it(builtin):
+    body = {"prompt": "def f(x):", "max_tokens": 12, "temperature": 1.0, "seed": 3}
+    got, unlimited = builtin.http("POST", "/v1/completions", body)
+    assert got == 200
+    got, zero = builtin.http("POST", "/v1/completions", {**body, "top_k": 0})
+    assert got == 200 and zero["choices"][0]["text"] == unlimited["choices"][0]["text"]
+
+
 def test_models_and_health_answer(builtin):
     assert [m.id for m in builtin.client().models.list().data] == ["stdlib-target"]
     assert builtin.http("GET", "/health") == (200, {"status": "ok"})
@@ -171,6 +179,7 @@ BAD = [  # (what, body as JSON text or an object, status)
     ("NaN temperature", b'{"prompt": "x", "temperature": NaN}', 400),
     ("negative temperature", {"prompt": "x", "temperature": -1}, 400),
     ("top_p zero", {"prompt": "x", "top_p": 0}, 400),
+    ("negative top_k", {"prompt": "x", "top_k": -1}, 400),
     ("stop a number", {"prompt": "x", "stop": 3}, 400),
     ("n too many", {"prompt": "x", "n": 1000}, 400),
     ("logprobs", {"prompt": "x", "logprobs": 2}, 400),
