@@ -68,15 +68,15 @@ def sample_rows(logits, rows: list) -> list[int]:
     top_k and top_p, with the request's own generator (so a seeded request draws the same whatever shares its
     batch): temperatures and probabilities in one op for all rows, the top_k candidates in one top-k."""
     x = logits.float() / torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)[:, None]
-    cut = [i for i, r in enumerate(rows) if r.top_k]
-    top = x[cut].topk(min(max(rows[i].top_k for i in cut), x.size(-1))) if cut else None  # [n, K], best first
+    cut = {i: n for n, i in enumerate(i for i, r in enumerate(rows) if r.top_k)}  # row -> its row in top
+    top = x[list(cut)].topk(min(max(rows[i].top_k for i in cut), x.size(-1))) if cut else None  # [n, K], best first
     p = x.softmax(-1) if len(cut) < len(rows) else None  # [N, V]
     tokens = []
     for i, r in enumerate(rows):
         if not r.top_k:
             tokens.append(draw(p[i], r.generator) if r.top_p >= 1.0 else draw_nucleus(p[i], r.top_p, r.generator))
             continue
-        v, t = (z[cut.index(i), : r.top_k] for z in top)
+        v, t = (z[cut[i], : r.top_k] for z in top)
         q = v.softmax(0)
         if r.top_p < 1.0:  # the nucleus of its top_k, ranked
             q = q.masked_fill(q.cumsum(0) - q >= r.top_p, 0.0)  # once those above hold top_p; the first stays

@@ -223,7 +223,7 @@ def warm_up(url: str, model: str, vocab: int, slots: int, name: str):
 def measure(url: str, model: str, requests, offsets, rate: float, args, processes: dict, side: str) -> dict:
     """One run, with the CPU time each started server took meanwhile: this side's own, and any other's (idle)."""
     before = {s: cpu_seconds(p.pid) for s, p in processes.items()}
-    t0, records = run_load(url, model, requests, offsets, args.timeout, sampling(args))
+    t0, records = run_load(url, model, requests, offsets, args.timeout, sampling_fields(args))
     out = summarize(t0, records, rate)
     for s, p in processes.items():
         after = cpu_seconds(p.pid)
@@ -267,7 +267,7 @@ def bench_model(name: str, args, work: Path, tools) -> tuple[list[dict], dict]:
     return runs, commands
 
 
-def sampling(args) -> dict:
+def sampling_fields(args) -> dict:
     """The sampling fields of every request: greedy, or --temperature and --top_p with the servers' other samplers
     off (llama-server's top_k of 40 and min_p of 0.05 by default)."""
     if not args.temperature:
@@ -300,7 +300,7 @@ def bench_url(args) -> tuple[list[dict], dict]:
     for i, rate in enumerate(args.rates):
         sent = fresh_ids(requests, vocab, f"{args.seed}-{i}")
         offsets = arrivals(args.requests, rate, args.seed)
-        run = summarize(*run_load(args.url, model, sent, offsets, args.timeout, sampling(args)), rate)
+        run = summarize(*run_load(args.url, model, sent, offsets, args.timeout, sampling_fields(args)), rate)
         runs.append({"model": model, "server": args.url, **run})
         print(f"{args.url} at {rate:g} requests/s: {run['seconds']:.0f} s, {run['errors']} errors", file=sys.stderr,
               flush=True)
@@ -438,7 +438,7 @@ def main(argv=None):
     args = parse_args(argv)
     cli.check_output_file(args.json, "--json", '"itl_p99_ms"')
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "requests": args.requests, "lengths": args.lengths,
-               "seed": args.seed, "rates": args.rates, "ttft_slo_s": args.ttft_slo, "sampling": sampling(args),
+               "seed": args.seed, "rates": args.rates, "ttft_slo_s": args.ttft_slo, "sampling": sampling_fields(args),
                "servers": {}, "runs": []}
     if args.url:
         results["url"] = args.url

@@ -11,9 +11,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Optional
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 STARTUP_S, STOP_S = 300.0, 10.0  # loading the weights takes seconds; a slow disk or a busy machine more
 CONTEXT_STEP = 256  # each slot's context, rounded up to this

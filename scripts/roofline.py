@@ -5,10 +5,11 @@ measured here, against the engine's decode step timed with 1 row and with --rows
     python scripts/roofline.py --checkpoint_path checkpoints/smollm2-int4 --rows 16
 
 The ceilings bound the weights' reads and products alone; a step also attends over the KV cache, normalizes and
-samples, which a short --context keeps small."""
+samples, which a short --context keeps small. A model that fits in the last-level cache reads faster than memory."""
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -35,9 +36,15 @@ def peaks() -> dict:
     if flags is None:
         raise ValueError(f"the C++ kernels are not in use here ({name}): there is nothing to set against a ceiling")
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["g++", "-O3", *flags, "-fopenmp", str(SOURCE), "-o", f"{tmp}/roofline"], check=True)
+        try:
+            subprocess.run([os.environ.get("CXX", "g++"), "-O3", *flags, "-fopenmp", str(SOURCE), "-o",
+                            f"{tmp}/roofline"], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            raise ValueError(f"{SOURCE.name} did not build: {cpu_gemv.compiler_error(e)}") from None
+        except FileNotFoundError:
+            raise ValueError(f"no C++ compiler ({os.environ.get('CXX', 'g++')} not found)") from None
         out = subprocess.run([f"{tmp}/roofline"], check=True, capture_output=True, text=True,
-                             env={"OMP_NUM_THREADS": str(torch.get_num_threads())}).stdout
+                             env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}).stdout
     return {k: float(v) for k, v in (line.split() for line in out.splitlines())}
 
 
@@ -58,7 +65,7 @@ def seconds_per_step(model, rows: int, context: int, steps: int, rounds: int) ->
     """Median seconds of the engine's decode step for `rows` requests, each `context` tokens in (distinct random
     prompts: no prefix is shared), over `rounds` rounds of `steps` steps."""
     g = torch.Generator().manual_seed(rows)
-    new = steps * (rounds + 1)
+    new = steps * (rounds + 1) + 8  # the warm steps, the timed ones, and room: no row may finish while timed
     requests = [Request(torch.randint(3, model.args.vocab_size, (context,), generator=g).tolist(),
                         max_new_tokens=new) for _ in range(rows)]
     engine = Engine(model, max_rows=rows, blocks=rows * math.ceil((context + new) / 16) + 1)
@@ -74,6 +81,8 @@ def seconds_per_step(model, rows: int, context: int, steps: int, rounds: int) ->
         for _ in range(steps):
             engine.step()
         times.append((time.perf_counter() - t0) / steps)
+    if len(engine.running) != rows:
+        raise RuntimeError(f"{rows - len(engine.running)} of {rows} rows finished while timed")
     return statistics.median(times)
 
 
@@ -84,7 +93,11 @@ def measure(path: Path, rows: int, context: int, rounds: int, ceilings: dict) ->
     if not layers:
         raise ValueError(f"--checkpoint_path {path}: none of its products runs on the C++ kernels here")
     steps = 8
-    model.setup_caches(1, context + steps * (rounds + 1) + 16)
+    longest = context + steps * (rounds + 1) + 16  # seconds_per_step's requests, with room
+    if longest > model.args.block_size:
+        raise ValueError(f"--context {context}: with the steps timed, past {path.name}'s context of "
+                         f"{model.args.block_size} tokens")
+    model.setup_caches(1, longest)
     macs = sum(m.weight.size(0) * k for m, k, _ in layers)  # a row's multiply-adds, padding included
     weights = cli.weight_bytes(model)
     # a VM's memory changes speed within minutes: read just before and just after the 1-row steps, which it bounds
