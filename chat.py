@@ -17,11 +17,11 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
-import torch  # noqa: E402
 
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import generate  # noqa: E402
+from backend import Backend  # noqa: E402
 import guided  # noqa: E402
 import speculative  # noqa: E402
 
@@ -151,7 +151,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores other "
                    "programs leave free)")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="as generate.py")
-    p.add_argument("--compile", action="store_true", help="compile the decode step (CUDA graphs on a GPU)")
+    p.add_argument("--compile", action="store_true", help="compile what model.py runs: CUDA graphs on a GPU "
+                   "(on a CPU the C++ step already runs every reply)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill with dynamic shapes")
     p.add_argument("--speculate", default="auto", choices=["auto", "plain", "lookup", "suffix", "lookahead"],
                    help="auto (the default): each round the guess expected to pay best, or plain decoding "
@@ -192,11 +193,13 @@ def load(checkpoint_path: Path, *, max_new_tokens: int, max_seq_length: Optional
     guide = guided.make_guide(tokenizer, list(grammars), 1, config.vocab_size, speculate_k if speculate else 0)
     model = checkpoint.load_model(checkpoint_path, dev, dt, cpu_kernels)
     model.setup_caches(1, length, generate.KV_DTYPES[kv_cache_dtype])
+    backend = Backend(model, compile, compile_prefill)
     loop = speculative.make_loop(model, max_new_tokens=max_new_tokens, speculate=speculate, speculate_k=speculate_k,
                                  ngram=ngram, max_nodes=min(max_nodes, tree_nodes(length, max_new_tokens)), guide=guide,
-                                 steps=generate.build_steps(compile, compile_prefill), **sampling)
+                                 backend=backend, **sampling)
     print(f"Loaded {checkpoint_path} on {dev}{f' ({chosen} threads)' if chosen else ''}, {dtype}"
-          f"{cli.kernels_of(model, dev) if dev.type == 'cpu' else ''}; context {length} tokens", file=sys.stderr)
+          f"{cli.kernels_of(model, dev) if dev.type == 'cpu' else ''}; context {length} tokens; running on "
+          f"{backend.describe()}", file=sys.stderr)
     if compile or compile_prefill:
         t0 = time.perf_counter()  # one untimed reply compiles the steps (and records the CUDA graphs)
         loop([tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]), bos=False,
@@ -233,10 +236,9 @@ def main(argv=None):
         device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, threads=args.threads,
         cpu_kernels=args.cpu_kernels, compile=args.compile, compile_prefill=args.compile_prefill,
         speculate=speculate, speculate_k=args.speculate_k, ngram=args.prompt_lookup, grammars=grammars,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     extra = {"lookup": args.speculate_k + 1, "plain": 0}.get(  # the slots a round writes past the reply
         speculate, tree_nodes(model.max_seq_length, args.max_new_tokens))
-    torch.manual_seed(args.seed)
     chat, stats = Conversation(system=args.system), []
     if interactive:
         history()

@@ -57,9 +57,9 @@ class Chooser:
         self.plain_s = self.draft_s = self.ask_s = self.extra_s = 0.0  # a plain round's, a draft pass's, asking's,
         self.room = max([p.room for p in self.drafts.values()], default=0)  # and a verify round's overhead, seconds
 
-    def start(self, prompt: list[int], cached: int, slots: Tensor, prefill_step: Callable):
+    def start(self, prompt: list[int], cached: int, slots: Tensor):
         first, *others = self.drafts.values()  # one draft model: one prefill for all
-        first.start(prompt, cached, slots, prefill_step)
+        first.start(prompt, cached, slots)
         for p in others:
             p.cached, p.slots = first.cached, slots
 
@@ -67,17 +67,16 @@ class Chooser:
     def draft(self):
         return next(iter(self.drafts.values())).draft if self.drafts else None
 
-    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int,
-                decode: Optional[Callable] = None, **sampling):
+    def measure(self, backend, base: int, slots: Tensor, max_nodes: int, plain: bool = True):
         """The target's verify costs and plain step (Sizer.measure), and a draft pass over one token."""
         sizer = Sizer(cost=self.cost)
-        sizer.measure(model, step, base, slots, max_nodes, decode, **sampling)
+        sizer.measure(backend, base, slots, max_nodes, plain)
         self.plain_s = sizer.plain_s
         for d in list(self.drafts.values())[:1]:  # slot base is free in the draft's cache too
             times = []
             for _ in range(3):
                 t = time.perf_counter()
-                forward_nodes(d.draft, d.step, Tree([0]), base, range(1), slots, temperature=1.0)
+                forward_nodes(d.draft, Tree([0]), base, range(1), slots)
                 times.append(time.perf_counter() - t)
             self.draft_s = min(times[1:])
 
@@ -248,14 +247,13 @@ def ema(old: float, new: float) -> float:
     return new if not old else 0.9 * old + 0.1 * new
 
 
-def auto(draft=None, step: Optional[Callable] = None, ngram: int = 3, **options) -> Chooser:
+def auto(draft=None, ngram: int = 3, **options) -> Chooser:
     """The candidates that can run: prompt lookup and lookahead always; with a draft model also its chain, its tree
     and its staged tree (with a suffix trie's guesses). A suffix trie is not a candidate of its own: reading every
     token into it costs more a round than its guesses win over prompt lookup's (PERFORMANCE.md), though
-    --speculate suffix still forces it. options: Chooser's."""
+    --speculate suffix still forces it. draft: the draft model's Backend; options: Chooser's."""
     found = {"lookup": Lookup(ngram), "lookahead": Lookahead()}
     if draft is not None:
-        kw = {} if step is None else {"step": step}
-        found.update(draft=DraftTree(draft, top_k=1, width=1, **kw), tree=DraftTree(draft, **kw),
-                     staged=DraftTree(draft, staged=Suffix(), **kw))
+        found.update(draft=DraftTree(draft, top_k=1, width=1), tree=DraftTree(draft),
+                     staged=DraftTree(draft, staged=Suffix()))
     return Chooser(found, **options)

@@ -311,11 +311,10 @@ def generate_parser(doc: str) -> argparse.ArgumentParser:
                    "programs leave free)")
     p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: this CPU's decode "
                    "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
-    p.add_argument("--compile", action="store_true", help='compile the decode step (fullgraph): CUDA graphs on a GPU '
-                   '(mode="reduce-overhead"); on a CPU, batch-1 decoding as one C++ call on the kernels '
-                   '(cpu_step.py) and, with AVX512-BF16, its prompt in pieces of 128 positions (32 with int4 '
-                   'weights), anything else through a C++ wrapper; '
-                   'the compile time is reported apart')
+    p.add_argument("--compile", action="store_true", help='compile what model.py runs with torch.compile '
+                   '(fullgraph): CUDA graphs on a GPU (mode="reduce-overhead"), a C++ wrapper on a CPU; the compile '
+                   'time is reported apart. Without it a CPU already runs a batch of one as one C++ call a token '
+                   '(cpu_step.py), its prompt in pieces of 128 positions (32 with int4 weights)')
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill, with dynamic shapes "
                    "(one compilation serves every prompt length)")
     p.add_argument("--max_seq_length", type=positive_int, help="KV cache length (default: longest prompt + "

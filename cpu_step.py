@@ -8,11 +8,11 @@ between steps, and no Python, allocation or dispatch between them. HOW_IT_WORKS.
 one C++ call", has what it saves; scripts/bench_cpu_step.py times the two alternating.
 
 It runs what it can run exactly as model.py does (the same bf16 roundings, the same cache), and says None to the
-rest, which then takes the compiled step: batches, left padding, token trees, float32 models, torch's kernels,
-tensor parallelism (its all-reduces are modules this step does not know). Being a second implementation of that
+rest, which then runs model.py's forward (backend.py chooses): batches, left padding, float32 models, torch's
+kernels, tensor parallelism (its all-reduces are modules this step does not know). Being a second implementation of that
 forward, it checks itself against it when first made for a model (agrees)."""
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -90,8 +90,9 @@ class Step:
         return self.cpp.greedy_loop(token, pos, out, eos, self.logits)
 
 
-def step_for(model: Transformer) -> Optional[Step]:
-    """The C++ step for model as it is now, or None where it cannot run it exactly."""
+def step_for(model: Transformer, verify: bool = True) -> Optional[Step]:
+    """The C++ step for model as it is now, or None where it cannot run it exactly. verify: check it against
+    model.py's forward first (agrees); the caller that keeps it checks once a model."""
     a = model.args
     D, kvn, qn = a.head_dim, a.n_kv_head * a.head_dim, a.n_head * a.head_dim
     if cpu_gemv._lib is None or type(model) is not Transformer or model.freqs_cis is None:
@@ -131,10 +132,9 @@ def step_for(model: Transformer) -> Optional[Step]:
     freqs = model.freqs_cis
     if freqs.dtype != torch.float32 or not freqs.is_contiguous() or freqs.shape[1:] != (D // 2, 2):
         return None
-    step = Step(model, cpp_step(model, layers, out))
-    if "_cpu_step_agrees" not in model.__dict__:  # warm-up: once a model
-        model.__dict__["_cpu_step_agrees"] = agrees(model, cpp_step(model, layers[:1], out))
-    return step if model.__dict__["_cpu_step_agrees"] else None
+    if verify and not agrees(model, cpp_step(model, layers[:1], out)):
+        return None
+    return Step(model, cpp_step(model, layers, out))
 
 
 def cpp_step(model: Transformer, layers: list, out: list[Tensor]):
@@ -160,17 +160,17 @@ def agrees(model: Transformer, cpp, token: int = 1) -> bool:
     pos = min(4, model.max_seq_length - 1)  # a few slots before it: the attention's scale and softmax count
     c = model.layers[0].attention.kv_cache
     cache = [t for t in (c.k_cache, c.v_cache, c.k_scale, c.v_scale) if t is not None]
-    saved, layers = [t[:, :, pos].clone() for t in cache], model.layers
+    saved = [t[:, :, pos].clone() for t in cache]
     got = torch.empty(1, model.args.vocab_size)
-    idx, input_pos = torch.tensor([[token]]), torch.tensor([pos])
+    input_pos = torch.tensor([pos])
     try:
         cpp.step(token, pos, got)
-        model.layers = layers[:1]
-        want = model(idx, input_pos)[:, -1].float()  # [1, V]
-        model.layers = layers[:0]
-        base = model(idx, input_pos)[:, -1].float()  # [1, V]: embedding, norm and head alone
+        # model.py's forward over the first layer, its steps called one by one (the model itself is left whole)
+        x = model.tok_embeddings(torch.tensor([[token]]))
+        h = model.layers[0](x, model.freqs_cis[input_pos][None], model.cache_mask(input_pos, None, pos + 1), input_pos)
+        want = model.output(model.norm(h))[:, -1].float()  # [1, V]
+        base = model.output(model.norm(x))[:, -1].float()  # [1, V]: embedding, norm and head alone
     finally:
-        model.layers = layers
         for t, s in zip(cache, saved):
             t[:, :, pos] = s
     finite = want.isfinite()
@@ -183,79 +183,6 @@ def agrees(model: Transformer, cpp, token: int = 1) -> bool:
         why = f"logits {d / max(effect, 1e-30):.0%} of the layer's own change apart"
     else:
         why = "logits not finite where the other's are"
-    print(f"cpu_step: the C++ step does not match model.py's forward ({why}; was model.py changed?): decoding "
-          f"takes the compiled step", file=sys.stderr)
+    print(f"cpu_step: the C++ step does not match model.py's forward ({why}; was model.py changed?): it runs "
+          f"model.py's forward instead", file=sys.stderr)
     return False
-
-
-def step(model: Transformer, loop: Tensor) -> Optional[Step]:
-    """step_for(model), built once per decode loop (loop: the input_pos tensor each loop of generate makes anew, and
-    steps in place): the model may change between loops (a new cache from setup_caches, other layers or weights),
-    not within one. Building it walks the model's layers, about a millisecond."""
-    cached = model.__dict__.get("_cpu_step")
-    if cached is None or cached[0] is not loop:  # the loop's tensor is held here: no new one can take its id
-        cached = (loop, step_for(model))
-        model.__dict__["_cpu_step"] = cached
-    return cached[1]
-
-
-class Rows:
-    """model's forward over a verify pass's positions as the C++ step's rows, for the step functions that only call
-    it (generate.verify, generate.tree_probs): so that a verify pass computes what decoding computes, bit for bit."""
-    def __init__(self, step: Step):
-        self.step = step
-
-    def __call__(self, idx: Tensor, input_pos: Tensor, left_pad, kv_len: int, mask: Optional[Tensor] = None,
-                 pos: Optional[Tensor] = None) -> Tensor:  # idx [1, S], input_pos [S], mask [S, kv_len] -> [1, S, V]
-        S, base = idx.size(1), int(input_pos[0])
-        mask = torch.ones(S, base + S, dtype=torch.bool).tril(base) if mask is None else mask[:, : base + S]
-        return self.step.rows(idx[0], input_pos if pos is None else pos, base, mask)[None]
-
-
-def rows_for(model: Transformer, idx: Tensor) -> Optional[Rows]:
-    """The C++ step's rows for a verify pass over idx [1, S] on model, or None where they cannot run it: kept while
-    the model keeps its cache (set up anew, it gets a new step)."""
-    cache = model.layers[0].attention.kv_cache.k_cache if len(model.layers) else None
-    if idx.shape[0] != 1 or idx.size(1) > cpu_gemv.MAX_ROWS or idx.device.type != "cpu" or model.args.sliding_window:
-        return None
-    cached = model.__dict__.get("_cpu_rows")
-    if cached is None or cached[0] is not cache:
-        step = step_for(model)
-        cached = (cache, Rows(step) if step is not None else None)
-        model.__dict__["_cpu_rows"] = cached
-    return cached[1]
-
-
-def verify_or(compiled: Callable, eager: Callable) -> Callable:
-    """A verify or token-tree step (generate.verify or tree_probs, eager) on the C++ step's rows where they run the
-    model, compiled elsewhere. A grammar's masks (verify's bits) take the compiled step, as guided decoding does."""
-    def run(model, tokens, input_pos, kv_len, *rest, **sampling):
-        guided = eager.__name__ == "verify" and (rest[0] if rest else sampling.get("bits")) is not None
-        rows = None if guided else rows_for(model, tokens)
-        return compiled(model, tokens, input_pos, kv_len, *rest, **sampling) if rows is None else \
-            eager(rows, tokens, input_pos, kv_len, *rest, **sampling)
-    return run
-
-
-def prefill_or(compiled: Callable, eager: Callable) -> Callable:
-    """A prefill step (generate.prefill) on the C++ step's rows, Step.piece positions a pass, where it decodes a batch
-    of one and the kernels have dpbf16 (their tiles then match torch's GEMM for speed): each position computes what
-    decoding it alone does however the prompt is cut (the engine cuts prompts into chunks and shares their blocks),
-    the products staying in the batch-invariant kernels. Else compiled."""
-    def run(model, idx, input_pos, left_pad, kv_len, **sampling):  # idx [1, S], input_pos [S] -> [1]
-        S, base = idx.size(1), int(input_pos[0])
-        whole = left_pad is None and int(input_pos[-1]) == base + S - 1 and "bf16" in cpu_gemv.kernels
-        rows = rows_for(model, idx[:, :1]) if whole else None
-        if rows is None:
-            return compiled(model, idx, input_pos, left_pad, kv_len, **sampling)
-
-        def pieces(idx, input_pos, left_pad, kv_len, last):  # as model(...) with last=True: [1, 1, V]
-            size = rows.step.piece
-            for i in range(0, S, size):
-                piece, at = idx[0, i : i + size], base + i
-                M = piece.numel()
-                mask = torch.ones(M, at + M, dtype=torch.bool).tril(at)  # [M, at + M]: causal
-                logits = rows.step.rows(piece, torch.arange(at, at + M), at, mask, last=True)  # [1, V]
-            return logits[None, -1:]
-        return eager(pieces, idx, input_pos, left_pad, kv_len, **sampling)
-    return run

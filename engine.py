@@ -17,6 +17,7 @@ import torch
 
 from model import kv_bucket
 from paged import BlockPool, PagedCache, block_hash
+from sampling import NOT_FINITE, Sampling, pick
 
 
 def attend_paged_kernel(model, block_size: int, kv_dtype) -> Optional[Callable]:
@@ -43,47 +44,6 @@ def paged_step(model, cache: PagedCache):
     return step
 
 
-def draw(p, generator) -> int:  # p [K] >= 0, not all 0 -> index i with probability p[i] / sum(p)
-    """One uniform from the generator against p's running sum: a draw over a whole vocabulary in tens of
-    microseconds on a CPU, where torch.multinomial and an exponential race each took a millisecond."""
-    c = p.cumsum(0)
-    u = (1 - torch.rand(1, generator=generator, device=p.device)) * c[-1]  # in (0, sum]: never a token of p 0
-    return int(torch.searchsorted(c, u))  # the first whose running sum reaches u
-
-
-def draw_nucleus(p, top_p: float, generator) -> int:  # p [V] probabilities
-    """A draw from p's nucleus without sorting (FlashInfer's rejection idea): a token drawn from p is in it when the
-    tokens more likely than it hold less than top_p; if not, no token as unlikely is, and the next draw is among
-    the more likely ones. The most likely token is always in, so it ends, after about 1 / top_p draws."""
-    q = p
-    while True:
-        j = draw(q, generator)
-        if float(p.masked_fill(p <= p[j], 0.0).sum()) < top_p:
-            return j
-        q = q.masked_fill(q <= p[j], 0.0)
-
-
-def sample_rows(logits, rows: list) -> list[int]:
-    """A token for each row of logits [N, V], drawn from what logits_to_probs gives for its request's temperature,
-    top_k and top_p, with the request's own generator (so a seeded request draws the same whatever shares its
-    batch): temperatures and probabilities in one op for all rows, the top_k candidates in one top-k."""
-    x = logits.float() / torch.tensor([max(r.temperature, 1e-5) for r in rows], device=logits.device)[:, None]
-    cut = {i: n for n, i in enumerate(i for i, r in enumerate(rows) if r.top_k)}  # row -> its row in top
-    top = x[list(cut)].topk(min(max(rows[i].top_k for i in cut), x.size(-1))) if cut else None  # [n, K], best first
-    p = x.softmax(-1) if len(cut) < len(rows) else None  # [N, V]
-    tokens = []
-    for i, r in enumerate(rows):
-        if not r.top_k:
-            tokens.append(draw(p[i], r.generator) if r.top_p >= 1.0 else draw_nucleus(p[i], r.top_p, r.generator))
-            continue
-        v, t = (z[cut[i], : r.top_k] for z in top)
-        q = v.softmax(0)
-        if r.top_p < 1.0:  # the nucleus of its top_k, ranked
-            q = q.masked_fill(q.cumsum(0) - q >= r.top_p, 0.0)  # once those above hold top_p; the first stays
-        tokens.append(int(t[draw(q, r.generator)]))
-    return tokens
-
-
 @dataclass(eq=False)
 class Request:
     """One prompt and how to continue it; the engine fills in the rest. grammar: llguidance's text (from
@@ -107,7 +67,7 @@ class Request:
     computed: int = 0  # tokens whose K and V are in its blocks
     times: dict = field(default_factory=dict)  # "arrived", "first" (token), "finished": time.perf_counter()
     matcher: object = None
-    generator: Optional[torch.Generator] = None
+    uniforms: Optional[list] = None  # one per new token, from its seed (sampling.py)
     keep: Optional[Callable] = None  # stop strings: (row, new tokens) -> the tokens to keep
 
     @property
@@ -163,12 +123,11 @@ class Engine:
         return r
 
     def check(self, r: Request):
-        """ValueError if r can never run; else readies its grammar's matcher, its generator and its stop strings.
+        """ValueError if r can never run; else readies its grammar's matcher, its uniforms and its stop strings.
         Touches nothing else of the engine's (a server checks requests in its own threads)."""
+        options = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop)  # the one check
         if not r.prompt:
             raise ValueError("a prompt is empty")
-        if r.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {r.max_new_tokens}")
         if len(r.prompt) + r.max_new_tokens > self.context:
             raise ValueError(f"prompt ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds the "
                              f"context of {self.context} tokens")
@@ -176,8 +135,9 @@ class Engine:
             raise ValueError(f"the request needs more KV blocks than the pool holds ({self.pool.n_blocks})")
         if r.grammar is not None and r.matcher is None:
             r.matcher = self.matcher(r.grammar)
-        if r.seed is not None:
-            r.generator = torch.Generator(self.model.norm.weight.device).manual_seed(r.seed)
+        r.top_k = options.top_k
+        if not options.greedy and r.uniforms is None:
+            r.uniforms = options.uniforms()
         if r.stop:
             from cli import stop_strings
             r.keep = stop_strings(self.tokenizer, r.stop)
@@ -354,29 +314,27 @@ class Engine:
         return due
 
     def pick(self, due: list[Request], rows, finite: list[bool], greedy: list[int]) -> list[Optional[int]]:
-        """Each due row's next token from its logits (rows [N, V]): its grammar's mask applied, then the argmax
-        (temperature 0) or a draw, the sampled rows together (sample_rows); None where the logits are not finite."""
+        """Each due row's next token from its logits (rows [N, V]): its grammar's mask applied, then sampling.pick,
+        the sampled rows together; None where the logits are not finite."""
         picks: list[Optional[int]] = [g if ok else None for g, ok in zip(greedy, finite)]
-        drawn = []
-        for i, r in enumerate(due):
-            if not finite[i] or (r.matcher is None and r.temperature == 0):
-                continue
-            logits = rows[i] if r.matcher is None else self.masked(r, rows[i])  # [V]
-            if r.temperature == 0:
-                picks[i] = int(logits.argmax())
-            else:
-                drawn.append((i, logits))
+        drawn = [i for i, r in enumerate(due) if finite[i] and (r.matcher is not None or r.temperature > 0)]
         if drawn:
-            tokens = sample_rows(torch.stack([l for _, l in drawn]), [due[i] for i, _ in drawn])
-            for (i, _), token in zip(drawn, tokens):
-                picks[i] = token
+            rs = [due[i] for i in drawn]
+            masks = [self.allowed(r, rows.size(-1)) for r in rs]  # [V] bool, or None without a grammar
+            every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
+            ok = torch.stack([every if m is None else m for m in masks]) if any(m is not None for m in masks) else None
+            tokens = pick(rows[drawn], rs, [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in rs], ok)
+            for i, token in zip(drawn, tokens):
+                picks[i] = token if token != NOT_FINITE else None
         return picks
 
-    def masked(self, r: Request, logits):  # logits [V] -> [V], the tokens r's grammar forbids at -inf
+    def allowed(self, r: Request, vocab: int):  # -> [V] bool, the tokens r's grammar allows now; None: no grammar
         import guided
-        bits = torch.full((1, (logits.size(-1) + 31) // 32), -1, dtype=torch.int32)
+        if r.matcher is None:
+            return None
+        bits = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
         r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
-        return logits.masked_fill(~guided.allowed_tokens(bits.to(logits.device), logits.size(-1))[0], -float("inf"))
+        return guided.allowed_tokens(bits.to(self.model.norm.weight.device), vocab)[0]
 
     def decode(self, rows: list[Request]):  # -> [B, V]
         """The next token's logits of rows that each add their last token: in one C++ call where it runs the model,

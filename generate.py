@@ -1,8 +1,8 @@
 """Generate text: prefill the static KV cache with the prompt, then decode one token per step.
 
-The decode step is small and shape-static within a cache-length bucket, so torch.compile turns it into a CUDA graph
-on a GPU and into C++ kernels called from a C++ wrapper on a CPU, where a batch of one runs cpu_step.py's step: the
-whole forward as one C++ call. The guided loop is guided.py's; the command line's options and printing cli.py's."""
+The forward passes run on the backend chosen for the model (backend.py: on a CPU a batch of one is cpu_step.py's
+C++ step, one call a token) and each token is drawn by sampling.py's rule. The guided loop is guided.py's; the
+command line's options and printing cli.py's."""
 import os
 import signal
 import sys
@@ -11,7 +11,7 @@ if __name__ == "__main__":  # Ctrl-C while torch still imports: one line and sta
     signal.signal(signal.SIGINT, lambda *_: (print("\ninterrupted", file=sys.stderr), os._exit(130)))
 
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable, Optional  # noqa: E402
 
@@ -21,50 +21,12 @@ import cli  # noqa: E402
 import guided  # noqa: E402
 from cli import (DEFAULT_CHECKPOINT, DTYPES, KV_DTYPES, device_sync, peak_memory_gb, resolve_device,  # noqa: E402, F401
                  weight_bytes)
+from backend import Backend  # noqa: E402
 from model import Transformer, kv_bucket  # noqa: E402
+from sampling import NOT_FINITE, Sampling, pick  # noqa: E402, F401
 
 
-# ---- sampling ----------------------------------------------------------------------------------------------------
-
-def logits_to_probs(logits, temperature: float = 1.0, top_k: Optional[int] = None,
-                    top_p: Optional[float] = None):  # [B, V] -> [B, V] float32
-    logits = logits.float() / max(temperature, 1e-5)
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token once the tokens ranked above it already hold top_p of the mass; the top token always stays
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
-    return logits.softmax(-1)
-
-
-def probs_of(logits, temperature: float = 0.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None):  # [N, V] -> [N, V] float32
-    """The distribution a token is drawn from (speculation's verify passes); greedy is a one-hot distribution, so
-    one rule serves both."""
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).float()
-    return logits_to_probs(logits, temperature, top_k, top_p)
-
-
-def sample(logits, temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-           allowed=None):  # logits [B, V], allowed [B, V] bool or None -> [B]
-    """The next token of each row, or NOT_FINITE where the row's logits hold a NaN or an infinity (a damaged
-    model, or a dtype that overflows): the loop stops on it instead of printing garbage. allowed (guided
-    generation): the tokens the grammar allows; the others get -inf before top-k, top-p and the draw, so the
-    distribution is the model's, renormalized over the allowed tokens."""
-    finite = torch.isfinite(logits.sum(-1))  # a sum is NaN or inf if any term is; checked before the mask's -inf
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, -float("inf"))
-    tok = logits.argmax(-1) if temperature == 0 else draw(logits_to_probs(logits, temperature, top_k, top_p))
-    return torch.where(finite, tok, NOT_FINITE)
-
-
-NOT_FINITE = -1
-
+# ---- what the loops share ------------------------------------------------------------------------------------------
 
 def not_finite(step: int) -> ValueError:
     return ValueError(f"the model's logits became NaN or infinite by new token {step + 1}: the weights or the "
@@ -76,147 +38,26 @@ def check_finite(tokens, step: int):  # tokens [B, S]; a host sync, so only ever
         raise not_finite(step)
 
 
-def draw(probs):  # [B, V] -> [B]
-    # argmax(p / Exp(1)) is an exact draw from p that, unlike torch.multinomial, never syncs with the host
-    q = torch.empty_like(probs).exponential_(1).clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / q).argmax(-1)
-
-
-def masked(logits, bits):  # logits [N, V], bits [N, W] int32 (a grammar's bitmask) or None -> [N, V]
-    return logits if bits is None else logits.masked_fill(~guided.allowed_tokens(bits, logits.size(-1)), -float("inf"))
-
-
-# ---- the steps: one forward pass each, and what is drawn from it ---------------------------------------------------
-
-def prefill(model, idx, input_pos, left_pad, kv_len, **sampling):  # idx [B, S], input_pos [S], left_pad [B]|None -> [B]
-    return sample(model(idx, input_pos, left_pad, kv_len, last=True)[:, -1], **sampling)
-
-
-def decode_one_token(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]
-    return sample(model(cur, input_pos, left_pad, kv_len)[:, -1], **sampling)
-
-
-def decode_logits(model, idx, input_pos, left_pad, kv_len):  # idx [B, S], input_pos [S] -> [B, V]
-    """The last position's logits: guided decoding samples only once the grammar's mask is ready."""
-    return model(idx, input_pos, left_pad, kv_len, last=True)[:, -1]
-
-
-def pick(logits, bits, **sampling):  # logits [B, V], bits [B, W] int32 (a grammar's bitmask) -> [B]
-    return sample(logits, allowed=guided.allowed_tokens(bits, logits.size(-1)), **sampling)
-
-
-def draft_step(draft, cur, input_pos, kv_len, bits=None, **sampling):
-    """Speculation: one draft token, the distribution it was drawn from, and the draft's own probability of it
-    (from the softmax when greedy), which the adaptive rule multiplies along the draft. bits (guided): the grammar's
-    mask, so that the draft proposes only allowed tokens. cur [1, 1], input_pos [1], bits [1, W] -> [1], [1, V], [1]"""
-    logits = masked(draft(cur, input_pos, None, kv_len)[:, -1], bits)
-    probs = probs_of(logits, **sampling)
-    token = draw(probs)
-    soft = probs if sampling.get("temperature", 0) > 0 else torch.softmax(logits.float(), -1)
-    return token, probs, soft.gather(-1, token[:, None])[:, 0]
-
-
-def verify(model, tokens, input_pos, kv_len, bits=None, **sampling):  # tokens [1, S], input_pos [S] -> probs [S, V]
-    """Speculation: the target's distributions after each token. bits [N, W] (guided): only the last N positions,
-    each under the grammar's mask there; rejection sampling against the target's distribution renormalized over
-    the allowed tokens keeps the output exactly that distribution."""
-    logits = model(tokens, input_pos, None, kv_len)[0]
-    return probs_of(logits if bits is None else masked(logits[-bits.size(0):], bits), **sampling)
-
-
-def tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # tokens [1, S] -> probs [S, V]
-    """Token trees: the distributions after each node; a row whose logits are not finite comes out NaN."""
-    logits = model(tokens, input_pos, None, kv_len, mask=tree_mask, pos=tree_pos)[0]
-    return torch.where(torch.isfinite(logits.sum(-1, keepdim=True)), probs_of(logits, **sampling), float("nan"))
-
-
-def draft_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling):  # [1, S] -> [S, V]
-    """tree_probs for a draft model: a function of its own, so that compiled it keeps its own graphs."""
-    return tree_probs(model, tokens, input_pos, kv_len, tree_mask, tree_pos, **sampling)
-
-
-def compile_step(step: Callable) -> Callable:
-    """Compile a step whole: CUDA graphs on a GPU, inductor's C++ wrapper on a CPU, each option cutting the fixed
-    cost a CPU step pays (HOW_IT_WORKS.md, "The compiled step on a CPU"). dynamic: one compilation serves every
-    cache length and verify length."""
-    # fewer guards to check per step (an unchanged module passes in one check), floats such as eps as constants
-    torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # set where compilation is asked for, not on
-    torch._dynamo.config.specialize_float = True  # import: lazy compilation reads them at the first call
-    on_cpu = torch.compile(step, fullgraph=True, dynamic=True, options={
-        "cpp_wrapper": True, "cpp_wrapper_build_separate": True,  # no Python per step; kernels and wrapper build apart
-        "size_asserts": False, "alignment_asserts": False,  # no per-tensor checks every step
-        "cpp.min_chunk_size": 16384})  # a batch-1 step's norms and RoPE on one thread: too small to split
-    if not torch.cuda.is_available():
-        return on_cpu
-    # tunes the reductions inductor writes itself: the norms, and any batch-1 matmul not on cuda_gemv.py's kernels
-    torch._inductor.config.coordinate_descent_tuning = True
-    on_gpu = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
-
-    def run(*args, **kwargs):  # a model on the CPU of a GPU machine keeps the CPU's options
-        x = next(a for a in args if isinstance(a, torch.Tensor))
-        return (on_gpu if x.is_cuda else on_cpu)(*args, **kwargs)
-    return run
-
-
-def compile_prefill(step: Callable) -> Callable:  # dynamic: one compilation serves every prompt length
-    return torch.compile(step, dynamic=True, fullgraph=True)
-
-
-@dataclass(frozen=True)
-class Steps:
-    """The step functions every loop calls (plain, guided, speculative, tree), compiled or not, built once by
-    build_steps and passed to the loop."""
-    prefill: Callable = prefill
-    decode: Callable = decode_one_token
-    prefill_logits: Callable = decode_logits  # guided decoding: logits first, then the masked pick
-    logits: Callable = decode_logits
-    pick: Callable = pick
-    draft: Callable = draft_step  # speculation with a draft model
-    verify: Callable = verify
-    tree: Callable = tree_probs  # token trees
-    draft_tree: Callable = draft_probs
-    loop: Optional[Callable] = None  # the whole plain decode loop in one call where it can (cpu_greedy_loop)
-
-
-def cpu_or(compiled: Callable) -> Callable:
-    """decode_one_token as one C++ call (cpu_step.py) where it runs a batch-1 step exactly; else compiled."""
-    import cpu_step  # only where a compiled step was asked for: it needs the CPU kernels
-    def decode(model, cur, input_pos, left_pad, kv_len, **sampling):  # cur [B, 1], input_pos [1] -> [B]
-        cpu = cpu_step.step(model, input_pos) if cur.shape == (1, 1) and left_pad is None and \
-            cur.device.type == "cpu" else None
-        if cpu is None:
-            return compiled(model, cur, input_pos, left_pad, kv_len, **sampling)
-        if sampling.get("temperature", 0.0) == 0:  # the argmax in C++ too: it saves torch's ops on the logits
-            return torch.tensor([cpu.greedy(cur, input_pos)])
-        return sample(cpu(cur, input_pos), **sampling)
-    return decode
-
-
-def cpu_greedy_loop(model, out, pos: int, left_pad, eos, **sampling) -> Optional[int]:  # out [B, N]
-    """decode_n_tokens as one C++ call where cpu_or's decode would run the C++ step and its greedy pick for every
-    token: the columns filled, or None, and generate runs decode_n_tokens instead."""
-    import cpu_step
-    if out.shape[0] != 1 or left_pad is not None or out.device.type != "cpu" or sampling.get("temperature", 0.0) != 0:
+def streams(options: Sampling, seeds: list) -> Optional[list[list[float]]]:
+    """Each row's uniforms (sampling.py), from its seed seeds[b]; None when greedy."""
+    if options.greedy:
         return None
-    first = int(out[0, 0])
-    cpu = cpu_step.step_for(model)
-    if cpu is None or first == NOT_FINITE or (eos is not None and first in eos.tolist()):
-        return None  # (a damaged model, or an answer that ended at once: decode_n_tokens says so)
-    filled = 1 + cpu.greedy_loop(first, pos, out[0, 1:], eos)
-    check_finite(out[:, :filled], filled - 1)
-    return filled
+    return [replace(options, seed=None if s is None else s % 2**64).uniforms() for s in seeds]
 
 
-def build_steps(compile: bool = False, compile_prefill_too: bool = False) -> Steps:
-    """Every step, compiled if asked (lazily); compiled, a CPU model's batch-1 prefill and decoding run in C++."""
-    step = compile_step if compile else (lambda f: f)
-    first = compile_prefill if compile_prefill_too else (lambda f: f)
-    import cpu_step  # prefill and verify passes on its rows where it decodes: they compute what decoding does
-    rows = (lambda f: cpu_step.verify_or(step(f), f)) if compile else step
-    pre = (lambda f: cpu_step.prefill_or(first(f), f)) if compile else first
-    return Steps(pre(prefill), cpu_or(step(decode_one_token)) if compile else decode_one_token,
-                 first(decode_logits), step(decode_logits), step(pick), step(draft_step), rows(verify),
-                 rows(tree_probs), step(draft_probs), cpu_greedy_loop if compile else None)
+def allowed(bits, vocab_size: int):  # bits [N, W] int32 (a grammar's bitmask) or None -> [N, V] bool or None
+    return None if bits is None else guided.allowed_tokens(bits, vocab_size)
+
+
+def picked(backend: Backend, logits, options: Sampling, u: Optional[list], i: int, bits=None):  # logits [B, V] -> [B]
+    """Each row's token i from its logits, as sampling.pick draws it; bits [B, W] (a grammar's mask) or None."""
+    if u is None:  # greedy: on the device, no sync
+        finite = torch.isfinite(logits.sum(-1))
+        ok = allowed(bits, logits.size(-1))
+        return torch.where(finite, (logits if ok is None else logits.masked_fill(~ok, -float("inf"))).argmax(-1),
+                           NOT_FINITE)
+    return torch.tensor(pick(logits, [options] * logits.size(0), [row[i] for row in u],
+                             allowed(bits, logits.size(-1))), device=logits.device)
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -263,11 +104,11 @@ class Generation:
 STOP_CHECK_EVERY = 8  # rows finish at EOS on the device; the host looks only every few steps, as each look syncs
 
 
-def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos, callback: Optional[Callable],
-                    stop: Optional[Callable] = None, **sampling) -> int:
+def decode_n_tokens(backend: Backend, out, pos: int, left_pad, eos, callback: Optional[Callable],
+                    stop: Optional[Callable], options: Sampling, u: Optional[list]) -> int:
     """Fill out[:, 1:] one token per step (out[:, 0] holds prefill's token, at cache slot pos). eos [E] holds the
-    end-of-sequence ids; stop(row) -> the tokens to keep, fewer than len(row) once a stop string shows.
-    Returns the number of columns filled."""
+    end-of-sequence ids; stop(row) -> the tokens to keep, fewer than len(row) once a stop string shows; u: each
+    row's uniforms (None: greedy). Returns the number of columns filled."""
     input_pos = torch.tensor([pos], device=out.device)  # the host counts too, to choose how much cache to read
     done = torch.isin(out[:, 0], eos) if eos is not None else None  # [B]
     if stop is not None and done is None:
@@ -280,9 +121,10 @@ def decode_n_tokens(model, decode: Callable, out, pos: int, left_pad, eos, callb
                 done |= torch.tensor([stop(r) < len(r) for r in out[:, :i].tolist()], device=out.device)
             if done is not None and bool(done.all()):
                 return i
-        kv_len = kv_bucket(pos + i, model.max_seq_length)
+        kv_len = kv_bucket(pos + i, backend.model.max_seq_length)
         cur = out[:, i - 1 : i].clamp(min=0)  # a valid id even after NOT_FINITE; the check above stops the loop
-        nxt = decode(model, cur, input_pos, left_pad, kv_len, **sampling)
+        nxt = backend.greedy(cur, input_pos, left_pad, kv_len) if u is None else \
+            picked(backend, backend.decode(cur, input_pos, left_pad, kv_len), options, u, i)
         input_pos += 1  # in place: the compiled step reads the same tensor every time
         if done is not None:  # a finished row keeps emitting EOS, so shapes stay fixed
             nxt = torch.where(done, fill, nxt)
@@ -304,26 +146,33 @@ def stream(callback: Callable, tokens: list[int]):  # the callback syncs every s
 # inference_mode rather than no_grad: tensors made inside skip autograd's bookkeeping, the custom ops its fallback
 @torch.inference_mode()
 def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_ids=None,
-             callback: Optional[Callable] = None, pad_id: int = 0, steps: Steps = Steps(),
-             stop: Optional[Callable] = None, cached: int = 0, guide=None, **sampling) -> Generation:
+             callback: Optional[Callable] = None, pad_id: int = 0, backend: Optional[Backend] = None,
+             stop: Optional[Callable] = None, cached: int = 0, guide=None, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: float = 1.0, seed: Optional[int] = None,
+             seeds: Optional[list] = None) -> Generation:
     """Greedy or sampled continuations of a batch of token-id prompts of any lengths (left-padded). A row ends
     at any of eos_ids, or where stop(row) (see stop_strings) cuts it. callback, if given, sees the first row's new
     tokens after every step. cached: the KV cache already holds the first `cached` tokens of the (one) prompt,
     from an earlier call, so prefill computes only the rest (a chat's earlier turns). guide (a guided.Guide): each
-    row's output matches its grammar (see guided.generate_guided)."""
+    row's output matches its grammar (see guided.generate_guided). backend: how the passes run (default: the
+    fastest exact here, backend.py). seed: the rows' sampling seed, or seeds, one a row (None: torch's generator)."""
+    options = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    backend = backend if backend is not None else Backend(model)
     device = model.tok_embeddings.weight.device
     B, T = len(prompts), max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
         raise ValueError("a prompt is empty")
     if cached and (B > 1 or not 0 <= cached < T or model.max_seq_length < T + max_new_tokens):
         raise ValueError("cached tokens need one prompt longer than them, in a cache set up to hold it all")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if T + max_new_tokens > model.args.block_size:
         raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's maximum "
                          f"sequence length {model.args.block_size}")
+    if seeds is not None and len(seeds) != B:
+        raise ValueError(f"{len(seeds)} seeds for {B} prompts")
     if model.max_batch_size < B or model.max_seq_length < T + max_new_tokens:
         model.setup_caches(B, T + max_new_tokens)
+    backend.begin()
+    u = streams(options, seeds or [seed] * B)
     idx = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     for row, p in enumerate(prompts):
         idx[row, T - len(p):] = torch.tensor(p, device=device)
@@ -332,8 +181,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
         left_pad = torch.tensor([T - len(p) for p in prompts], device=device)
     if guide is not None:
         rows, prefill_s, decode_s, forwards, incomplete = guided.generate_guided(
-            model, idx, left_pad, cached, max_new_tokens, eos_ids, callback, steps, stop, guide, device_sync,
-            not_finite, **sampling)
+            backend, idx, left_pad, cached, max_new_tokens, eos_ids, callback, stop, guide, device_sync,
+            not_finite, lambda logits, bits, i: picked(backend, logits, options, u, i, bits))
         return Generation([cut(r, eos_ids, stop) for r in rows], B * (T - cached), prefill_s, decode_s,
                           sum(map(len, rows)) - B, forwards, peak_memory_gb(device), forced=guide.forced,
                           incomplete=incomplete)
@@ -342,17 +191,20 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
 
     device_sync(device)
     t0 = time.perf_counter()
-    out[:, 0] = steps.prefill(model, idx[:, cached:], torch.arange(cached, T, device=device), left_pad,
-                              kv_bucket(T, model.max_seq_length), **sampling)
+    logits = backend.prefill(idx[:, cached:], torch.arange(cached, T, device=device), left_pad,
+                             kv_bucket(T, model.max_seq_length))
+    out[:, 0] = picked(backend, logits, options, u, 0)
     if callback is not None:
         stream(callback, out[0, :1].tolist())
     device_sync(device)
     t1 = time.perf_counter()
     # the loop in one call where it can, and where nothing needs the host between tokens
-    can_loop = steps.loop is not None and callback is None and stop is None
-    filled = steps.loop(model, out, T, left_pad, eos, **sampling) if can_loop else None
-    if filled is None:
-        filled = decode_n_tokens(model, steps.decode, out, T, left_pad, eos, callback, stop, **sampling)
+    can_loop = u is None and callback is None and stop is None
+    filled = backend.greedy_loop(out, T, left_pad, eos) if can_loop else None
+    if filled is not None:
+        check_finite(out[:, :filled], filled - 1)
+    else:
+        filled = decode_n_tokens(backend, out, T, left_pad, eos, callback, stop, options, u)
     device_sync(device)
     t2 = time.perf_counter()
 
@@ -368,11 +220,12 @@ def cut(row: list[int], eos_ids, stop: Optional[Callable]) -> list[int]:
 
 # ---- the command line: load, generate, print the text and the figures ----------------------------------------------
 
-def plain_loop(model, *, max_new_tokens: int, guide=None, steps: Steps = Steps(), parallel=None,
-               **sampling) -> Callable:  # loop(prompts, eos_ids, callback, stop, cached) -> Generation; see make_loop
-    return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: generate(
-        model, prompts, max_new_tokens, eos_ids, callback, steps=steps, stop=stop, cached=cached, guide=guide,
-        **sampling)
+def plain_loop(model, *, max_new_tokens: int, guide=None, backend: Optional[Backend] = None, parallel=None,
+               **sampling) -> Callable:  # loop(prompts, eos_ids, callback, stop, cached, seeds) -> Generation
+    backend = backend if backend is not None else Backend(model)  # see speculative.make_loop
+    return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0, seeds=None: generate(
+        model, prompts, max_new_tokens, eos_ids, callback, backend=backend, stop=stop, cached=cached, guide=guide,
+        seeds=seeds, **sampling)
 
 
 def run(*, checkpoint_path: Path, prompts: list[str], max_new_tokens: int, batch_size: int, num_samples: int = 1,
@@ -399,19 +252,22 @@ def run(*, checkpoint_path: Path, prompts: list[str], max_new_tokens: int, batch
                          f"sequence length {min(max_seq_length, config.block_size)}")
     checkpoint.plan(checkpoint_path, dev, dt, batch_size, max_seq_length, T, parallel.world if parallel else 1,
                     kv_cache_dtype == "int8")  # before anything is allocated
-    prompts, encoded = prompts * (batch_size // len(prompts)), encoded * (batch_size // len(prompts))
+    given, copies = len(prompts), batch_size // len(prompts)
+    prompts, encoded = prompts * copies, encoded * copies
     threads = cli.set_threads(threads, parallel.world if parallel else 1) if dev.type == "cpu" else None
     model = (parallel.load_model if parallel else checkpoint.load_model)(checkpoint_path, dev, dt, cpu_kernels)
     model.setup_caches(batch_size, max_seq_length, KV_DTYPES[kv_cache_dtype])
     model_bytes = weight_bytes(model) if not parallel else int(parallel.sum([weight_bytes(model)])[0])
     where = f"{parallel.world} ranks, {dev.type}" if parallel else dev
+    backend = Backend(model, compile, compile_prefill)
     print(f"Loaded {checkpoint_path} ({model_bytes / 1e9:.3f} GB of weights read per step) on {where}"
           f"{f' ({threads} threads)' if threads else ''}, {dtype}{cli.kernels_of(model, dev)}"
-          f"{'; KV cache int8' if kv_cache_dtype == 'int8' else ''}")
-
-    loop = make_loop(model, max_new_tokens=max_new_tokens, guide=guide, steps=build_steps(compile, compile_prefill),
-                     parallel=parallel, **sampling)
+          f"{'; KV cache int8' if kv_cache_dtype == 'int8' else ''}; running on {backend.describe()}")
+    loop = make_loop(model, max_new_tokens=max_new_tokens, guide=guide, backend=backend, parallel=parallel,
+                     **sampling)
     torch.manual_seed(seed)
+    # copy j of a prompt in sample i draws with seed + i * copies + j: the first with the seed itself, as alone
+    seeds = lambda i: [seed + i * copies + b // given for b in range(batch_size)]  # noqa: E731
     compile_s = 0.0
     if compile or compile_prefill:
         t0 = time.perf_counter()  # one untimed run triggers compilation and CUDA-graph capture
@@ -429,7 +285,7 @@ def run(*, checkpoint_path: Path, prompts: list[str], max_new_tokens: int, batch
         if streaming:
             print(shown[0], end="", flush=True)
         result = loop(encoded, eos_ids, cli.make_streamer(tokenizer, encoded[0], eos_ids) if streaming else None,
-                      stop_at)
+                      stop_at, 0, seeds(i))
         if prof is not None:
             prof.__exit__(None, None, None)
             cli.write_file(profile, lambda tmp: prof.export_chrome_trace(str(tmp)))

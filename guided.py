@@ -225,15 +225,16 @@ def allowed_tokens(bits: Tensor, vocab_size: int) -> Tensor:  # bits [..., W] in
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
 
-def generate_guided(model, idx, left_pad, cached: int, max_new_tokens: int, eos_ids, callback, steps,
-                    stop, guide: Guide, sync, not_finite, **sampling) -> tuple[list[list[int]], float, float, int, list[int]]:
+def generate_guided(backend, idx, left_pad, cached: int, max_new_tokens: int, eos_ids, callback, stop,
+                    guide: Guide, sync, not_finite, pick) -> tuple[list[list[int]], float, float, int, list[int]]:
     """generate.generate's loop under grammars (idx [B, T], left-padded): each row's tokens, the prefill and decode
     seconds, the forward passes after prefill, and the rows cut by max_new_tokens before their grammar was complete. Each step the host needs the sampled tokens to advance the
     matchers: that is the step's one sync. The next mask is computed on a CPU thread while the forward pass runs,
-    and is applied on the device in `pick`. At batch 1 the tokens the grammar forces are fed in one forward pass
-    with the sampled one (fast-forward). A row ends at EOS, at a stop string, or once its grammar is complete.
-    sync(device) waits for the device; not_finite(i) is the error for a damaged token i."""
-    device, (B, T) = idx.device, idx.shape
+    and is applied on the device by pick(logits [B, V], bits [B, W], i) -> [B], the rows' token i. At batch 1 the
+    tokens the grammar forces are fed in one forward pass with the sampled one (fast-forward). A row ends at EOS, at
+    a stop string, or once its grammar is complete. sync(device) waits for the device; not_finite(i) is the error
+    for a damaged token i."""
+    model, device, (B, T) = backend.model, idx.device, idx.shape
     eos, fill = set(eos_ids or ()), (list(eos_ids or ()) or [0])[0]
     slots = torch.arange(T + max_new_tokens, device=device)  # positions are slices of this: no allocation
     bits = torch.empty(B, guide.words, dtype=torch.int32, device=device)
@@ -246,8 +247,8 @@ def generate_guided(model, idx, left_pad, cached: int, max_new_tokens: int, eos_
     sync(device)
     t0 = time.perf_counter()
     mask = guide.fill_async()
-    logits = steps.prefill_logits(model, idx[:, cached:], slots[cached:T], left_pad, kv_bucket(T, model.max_seq_length))
-    tokens = steps.pick(logits, upload(mask), **sampling).tolist()
+    logits = backend.prefill(idx[:, cached:], slots[cached:T], left_pad, kv_bucket(T, model.max_seq_length))
+    tokens = pick(logits, upload(mask), 0).tolist()
     t1 = time.perf_counter()
     pos = T
     while True:
@@ -273,9 +274,9 @@ def generate_guided(model, idx, left_pad, cached: int, max_new_tokens: int, eos_
             break
         S = len(feed[0])
         mask = guide.fill_async(done)  # on the CPU thread, while the forward pass runs
-        logits = steps.logits(model, torch.tensor(feed, device=device), slots[pos : pos + S], left_pad,
-                              kv_bucket(pos + S, model.max_seq_length))
-        tokens = steps.pick(logits, upload(mask), **sampling).tolist()
+        logits = backend.decode(torch.tensor(feed, device=device), slots[pos : pos + S], left_pad,
+                                kv_bucket(pos + S, model.max_seq_length))
+        tokens = pick(logits, upload(mask), len(rows[0]) if B == 1 else forwards + 1).tolist()
         pos, forwards = pos + S, forwards + 1
     sync(device)
     incomplete = [b for b, r in enumerate(rows) if len(r) >= max_new_tokens and not eos & set(r) and

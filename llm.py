@@ -8,19 +8,18 @@ grammar) and chat-templated, getting the text, the tokens and the figures back.
     print(out.text, out.metrics["decode_tokens_per_sec"])
 
 A thin layer over generate.py, speculative.py, trees.py and guided.py, which the command-line tools use too."""
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
-
-import torch
 
 import cli
 import generate as gen
 import guided
 import speculative
+from backend import Backend
 from checkpoint import checkpoint_files, load_model, load_tokenizer, plan
 from choose import auto as auto_chooser
+from sampling import Sampling
 
 
 @dataclass
@@ -63,7 +62,8 @@ class LLM:
         self.model.setup_caches(1, length, self.kv_dtype)
         self.draft = None if draft is None else speculative.load_draft(
             draft, checkpoint_files(checkpoint)[0], self.model, self.device, dt, cpu_kernels)
-        self.steps = gen.build_steps(compile)
+        self.backend = Backend(self.model, compile)  # how the passes run: chosen once, here
+        self.draft_backend = None if self.draft is None else Backend(self.draft, compile)
         self.weight_bytes = gen.weight_bytes(self.model)
         self.choosers = {}  # (ngram, max_nodes) -> speculate="auto"'s chooser, its measurements kept between calls
         self.engine = None  # generate_many's, made at its first call (engine.Engine: its KV pool stays allocated)
@@ -127,7 +127,7 @@ class LLM:
         unknown = set(given) - set(options) - {"json", "json_schema", "regex", "grammar"}
         require(not unknown, f"unknown keywords for a prompt of many: {', '.join(sorted(unknown))}")
         options.update((k, given.pop(k)) for k in list(given) if k in options)
-        check_sampling(**options)
+        Sampling(**options)  # the one check of the options
         r = Request([], options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"],
                     options["seed"], options["stop"], () if options["ignore_eos"] else tuple(self.tokenizer.eos_ids))
         try:
@@ -164,7 +164,7 @@ class LLM:
         """generate's work on token-id prompts."""
         for name, value, lo in (("speculate_k", speculate_k, 1), ("ngram", ngram, 1), ("max_nodes", max_nodes, 1)):
             require(whole(value) and value >= lo, f"{name} must be a whole number of at least {lo}, got {value!r}")
-        check_sampling(max_new_tokens, temperature, top_k, top_p, seed, stop)
+        Sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)  # the one check of the options
         choose("speculate", speculate, (None, "plain") + speculative.SPECULATE)
         grammars = guided.grammars(json=json, json_schema=json_schema, regex=regex, grammar=grammar)
         require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
@@ -174,7 +174,7 @@ class LLM:
                                   speculate_k if speculate else 0)
         extra = {None: 0, "draft": speculate_k + 1, "lookup": speculate_k + 1}.get(speculate, max_nodes)
         chooser = self.choosers.setdefault((ngram, max_nodes), auto_chooser(
-            self.draft, self.steps.draft_tree, ngram)) if speculate == "auto" else None
+            self.draft_backend, ngram)) if speculate == "auto" else None
         extra = max(extra, chooser.room if chooser else getattr(self.draft, "room", 0))
         need = min(max(map(len, prompts)) + max_new_tokens + extra, self.model.args.block_size)
         if self.model.max_batch_size < len(prompts) or self.model.max_seq_length < need:
@@ -182,29 +182,16 @@ class LLM:
         loop = speculative.make_loop(
             self.model, max_new_tokens=max_new_tokens, speculate=speculate,
             draft=self.draft if speculate in DRAFTED else None, speculate_k=speculate_k, ngram=ngram,
-            adaptive=not fixed_k, max_nodes=max_nodes, guide=guide, steps=self.steps, chooser=chooser,
-            temperature=temperature, top_k=top_k, top_p=top_p)
-        if seed is not None:
-            torch.manual_seed(seed)
+            adaptive=not fixed_k, max_nodes=max_nodes, guide=guide, backend=self.backend,
+            draft_backend=self.draft_backend, chooser=chooser, temperature=temperature, top_k=top_k, top_p=top_p)
         eos_ids = None if ignore_eos else self.tokenizer.eos_ids
         shown = (lambda tokens: callback(cli.new_text(self.tokenizer, prompts[0], gen.cut(tokens, eos_ids, None))))
-        result = loop(prompts, eos_ids, shown if callback else None, cli.stop_strings(self.tokenizer, stop))
+        result = loop(prompts, eos_ids, shown if callback else None, cli.stop_strings(self.tokenizer, stop), 0,
+                      [seed] * len(prompts))
         metrics = result.metrics(self.weight_bytes)
         return [Completion(cli.new_text(self.tokenizer, p, r, stop), r, metrics,
                            cli.finish_reason(result, row, max_new_tokens))
                 for row, (p, r) in enumerate(zip(prompts, result.rows))]
-
-
-def check_sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos=False):
-    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k or 1)):
-        require(whole(value) and value >= 1, f"{name} must be a whole number of at least 1, got {value!r}")
-    require(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0,
-            f"temperature must be a finite number >= 0, got {temperature!r}")
-    require(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
-    require(seed is None or whole(seed) and 0 <= seed < 2**64, f"seed must be a whole number in [0, 2**64), "
-            f"got {seed!r}")
-    require(stop is None or isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
-            "stop must be a list of non-empty strings")
 
 
 def request_metrics(r) -> dict:

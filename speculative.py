@@ -1,7 +1,10 @@
 """Speculative decoding: a cheap proposer guesses up to k tokens, the target scores all of them in one forward pass,
-and a rejection-sampling rule keeps a prefix of the guesses so that the output has exactly the target's
-distribution (Leviathan et al. 2023; Chen et al. 2023). Proposers: a small draft model, or prompt lookup, which
-copies what followed the most recent earlier occurrence of the context's last n-gram.
+and the guesses are kept up to the first that is not the token the target draws there, by the rule and the uniform
+plain decoding uses (sampling.py). So speculation never changes the output: greedy, or sampled with a seed, it is
+plain decoding's token for token, and unseeded a draw from the same distribution. A deterministic guess (prompt
+lookup, trees.py's trees) is kept with the target's probability of it, as under the rejection rule of Leviathan et
+al. 2023; a sampled draft's somewhat less often. Proposers: a small draft model, or prompt lookup, which copies
+what followed the most recent earlier occurrence of the context's last n-gram.
 
 One target forward over a few positions costs about as much as one plain decode step when decoding is bound by
 reading the weights (a GPU), but yields between 1 and k + 1 tokens. On a CPU each extra position costs real
@@ -22,7 +25,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import choose
@@ -30,29 +32,22 @@ import cli
 import generate
 import trees
 from checkpoint import checkpoint_files, load_model, tokenizer_path
-from generate import Generation, Steps, device_sync, draft_step, draw, peak_memory_gb, verify  # noqa: F401
+from backend import Backend
+from generate import Generation, device_sync, peak_memory_gb
+from sampling import NOT_FINITE, Sampling, pick
 from guided import Guide
 from model import Transformer, kv_bucket
 from trees import prompt_lookup, reserve  # noqa: F401 (prompt_lookup: for callers)
 
 
-def accept(p: Tensor, q: Tensor, proposed: Tensor) -> tuple[int, Tensor]:
-    """Keep proposal i with probability min(1, p_i(x) / q_i(x)) until the first rejection; replace the rejected one
-    by a draw from the residual max(0, p - q), normalized; if all m are kept, add a bonus draw from p.
-    p [m+1, V] target, q [m, V] proposer, proposed [m] -> (kept, next token [1])."""
-    m = proposed.numel()
-    i = torch.arange(m, device=p.device)
-    ratio = p[i, proposed] / q[i, proposed]
-    rejected = torch.rand(m, device=p.device) >= ratio  # rand < 1, so a ratio >= 1 always accepts
-    n = torch.cat([rejected, rejected.new_ones(1)]).int().argmax()  # the first rejection, or m (m may be 0)
-    n = int(torch.where(torch.isfinite(p).all() & torch.isfinite(q).all(), n, -1))  # the round's one host sync
-    if n < 0:  # NaN compares false, so it would be "accepted": stop instead
-        raise ValueError("a model's logits became NaN or infinite: the weights or the dtype overflow; "
-                         "try the float32 dtype")
-    if n == m:
-        return n, draw(p[m:])
-    residual = (p[n] - q[n]).clamp(min=0)
-    return n, draw(residual[None] / residual.sum())
+def draft_step(draft: Backend, cur: Tensor, input_pos: Tensor, kv_len: int, options: Sampling, u: float,
+               bits: Optional[Tensor] = None) -> tuple[int, float]:  # cur [1, 1], input_pos [1], bits [1, W]
+    """One draft token, drawn by the rule and the uniform the target's token there will be drawn with (so that a
+    draft that agrees with the target proposes the target's token), and the draft's own probability of it, which
+    the adaptive rule multiplies along the chain. bits: the grammar's mask, so that it proposes allowed tokens."""
+    logits = draft.decode(cur, input_pos, None, kv_len)  # [1, V]
+    token = pick(logits, [options], [u], generate.allowed(bits, logits.size(-1)))[0]
+    return token, float(torch.softmax(logits[0].float(), -1)[max(token, 0)])
 
 
 @dataclass
@@ -85,30 +80,39 @@ class Threshold:
         self.tau = min(1.0, max(1e-4, self.tau * math.exp(self.step * (self.breakeven() - last_kept))))
 
 
-@torch.inference_mode()  # as generate: the compiled steps are shared
+@torch.inference_mode()  # as generate
 def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, *, draft=None,
                          ngram: Optional[int] = None, adaptive: bool = False, eos_ids=None,
-                         callback: Optional[Callable] = None, steps: Steps = Steps(),
-                         agree: Optional[Callable] = None, stop: Optional[Callable] = None, cached: int = 0,
-                         guide: Optional[Guide] = None, **sampling) -> Generation:
+                         callback: Optional[Callable] = None, backend: Optional[Backend] = None,
+                         draft_backend: Optional[Backend] = None, agree: Optional[Callable] = None,
+                         stop: Optional[Callable] = None, cached: int = 0, guide: Optional[Guide] = None,
+                         temperature: float = 0.0, top_k: Optional[int] = None, top_p: float = 1.0,
+                         seed: Optional[int] = None) -> Generation:
     """Batch-1 generation with a draft model (draft=...) or prompt lookup (ngram=...) proposing up to k tokens a
-    round; with adaptive=True the draft's length is chosen each round by threshold decoding. callback, if given,
-    sees the new tokens after every round. agree(values) -> values, if given, averages the adaptive rule's timings
-    over tensor-parallel ranks, so that every rank drafts alike. eos_ids, stop and cached: as generate.generate.
-    guide: the output matches its grammar. Tokens the grammar forces are output as they are and fed to the target
-    ahead of the proposals, in the same pass; proposals stop at the first token the grammar rejects (a draft
-    model samples under the grammar's mask), and the target verifies under the mask."""
+    round; with adaptive=True the draft's length is chosen each round by threshold decoding. A guess is kept while
+    it is the token the target draws there (sampling.py: the same rule and uniform as plain decoding), so the output
+    is plain decoding's, token for token, greedy or seeded. callback, if given, sees the new tokens after every
+    round. agree(values) -> values, if given, averages the adaptive rule's timings over tensor-parallel ranks, so
+    that every rank drafts alike. eos_ids, stop, cached and seed: as generate.generate; backend and draft_backend:
+    how each model runs (backend.py). guide: the output matches its grammar. Tokens the grammar forces are output
+    as they are and fed to the target ahead of the proposals, in the same pass; proposals stop at the first token
+    the grammar rejects (a draft model proposes under the grammar's mask), and the target draws under the mask."""
     if k < 1:
         raise ValueError(f"speculate_k must be at least 1, got {k}")
     if (draft is None) == (ngram is None):
         raise ValueError("speculation needs exactly one proposer: a draft model or prompt lookup")
-    device, T = model.tok_embeddings.weight.device, len(prompt)
+    options = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    backend = backend if backend is not None else Backend(model)
+    drafter = None if draft is None else draft_backend if draft_backend is not None else Backend(draft)
+    device, T, V = model.tok_embeddings.weight.device, len(prompt), model.args.vocab_size
     # a verify pass writes up to k + 1 cache slots past the last kept token
     length = reserve([model, draft], T, max_new_tokens, k + 1, f"speculate_k ({k}) + 1", cached)
+    for b in (backend, drafter):
+        if b is not None:
+            b.begin()
+    u = [0.0] * (max_new_tokens + k + 1) if options.greedy else options.uniforms(max_new_tokens + k + 1)
     rule = Threshold() if adaptive and draft is not None else None
     slots = torch.arange(length, device=device)  # positions are slices of this: no allocation or copy per step
-    proposed = torch.zeros(k, dtype=torch.long, device=device)  # compiled steps reuse their outputs: copy them out
-    q = torch.zeros(k, model.args.vocab_size, device=device)
     bits = torch.empty(k + 1, guide.words, dtype=torch.int32, device=device) if guide else None
     upload = lambda host: host if device.type == "cpu" else bits[: host.size(0)].copy_(host, non_blocking=True)
     idx = torch.tensor([prompt], device=device)
@@ -116,19 +120,15 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         guide.reset()
     device_sync(device)
     t0 = time.perf_counter()
-    if guide is None:
-        cur = steps.prefill(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length),
-                            **sampling)  # [1]
-    else:
-        mask = guide.fill_async()  # while prefill runs
-        logits = steps.prefill_logits(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length))
-        cur = steps.pick(logits, upload(mask.result()), **sampling)
+    mask = guide.fill_async() if guide is not None else None  # while prefill runs
+    logits = backend.prefill(idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length))
+    cur = pick(logits, [options], u[:1], None if mask is None else generate.allowed(upload(mask.result()), V))[0]
     if draft is not None:
-        steps.prefill(draft, idx[:, cached:], slots[cached:T], None, kv_bucket(T, draft.max_seq_length), **sampling)
+        drafter.prefill(idx[:, cached:], slots[cached:T], None, kv_bucket(T, draft.max_seq_length))
     device_sync(device)
     prefill_s = time.perf_counter() - t0
-    out, emitted, accepted, drafted, eos = [], [int(cur)], [0] * (k + 1), 0, set(eos_ids or ())
-    if emitted[0] == generate.NOT_FINITE:
+    out, emitted, accepted, drafted, eos = [], [cur], [0] * (k + 1), 0, set(eos_ids or ())
+    if cur == NOT_FINITE:
         raise generate.not_finite(0)
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
@@ -147,51 +147,55 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         cut = stop is not None and stop(out, len(out) - seen) < len(out)  # (the check decodes only the new text)
         if out[-1] in eos or len(out) >= max_new_tokens or complete or cut or guide is not None and guide.complete(0):
             break
-        f, t_round, masks = len(forced), time.perf_counter(), None
+        f, t_round, masks, n_out = len(forced), time.perf_counter(), None, len(out)
+        proposed = []
         if draft is not None:
-            t, cum, m = cur.view(1, 1), 1.0, 0
+            t, cum = torch.tensor([[cur]], device=device), 1.0
             for j, token in enumerate(forced):  # the draft reads the forced tokens; its guesses there are moot
-                steps.draft(draft, t, slots[pos + j : pos + j + 1], kv_bucket(pos + j + 1, draft.max_seq_length),
-                            **sampling)
+                drafter.decode(t, slots[pos + j : pos + j + 1], None, kv_bucket(pos + j + 1, draft.max_seq_length))
                 t = torch.tensor([[token]], device=device)
-            while m < k - f and (rule is None or cum >= rule.tau or m == 0):
+            while len(proposed) < k - f and (rule is None or cum >= rule.tau or not proposed):
+                m = len(proposed)
                 mask = guide.mask_row(m) if guide is not None else None  # [1, W]: the grammar after m proposals
                 if guide is not None and guide.complete(0):
                     break
-                nxt, probs, conf = steps.draft(draft, t, slots[pos + f + m : pos + f + m + 1],
-                                              kv_bucket(pos + f + m + 1, draft.max_seq_length),
-                                              upload(mask) if mask is not None else None, **sampling)
-                proposed[m], q[m] = nxt[0], probs[0]
-                t, m = proposed[m : m + 1].view(1, 1), m + 1
+                nxt, conf = draft_step(drafter, t, slots[pos + f + m : pos + f + m + 1],
+                                       kv_bucket(pos + f + m + 1, draft.max_seq_length), options, u[n_out + m],
+                                       upload(mask) if mask is not None else None)
+                if nxt == NOT_FINITE:
+                    break  # a damaged draft proposes nothing more; the target decides
+                proposed.append(nxt)
+                t = torch.tensor([[nxt]], device=device)
                 if guide is not None:
-                    guide.consume(0, int(nxt))  # the mask allowed it
-                if rule is not None:
-                    cum *= float(conf)  # a host sync per draft token: the price of deciding when to stop
+                    guide.consume(0, nxt)  # the mask allowed it
+                cum *= conf  # (the adaptive rule's: when to stop drafting)
             if guide is not None:
-                masks = guide.rollback(m)  # [m + 1, W]
+                masks = guide.rollback(len(proposed))  # [m + 1, W]
         else:  # a miss still proposes one token, so that verify sees at least two positions and compiles once
-            guess = (prompt_lookup(prompt + out, ngram, k - f) or out[-1:])[: k - f]
+            proposed = (prompt_lookup(prompt + out, ngram, k - f) or out[-1:])[: k - f]
             if guide is not None:  # up to the first token the grammar rejects
-                n_ok, masks = guide.along(guess)
-                guess = guess[:n_ok]
-            m = len(guess)
-            proposed[:m] = torch.tensor(guess, dtype=torch.long)
-            q[:m] = F.one_hot(proposed[:m], q.size(1)).float()  # a deterministic guess is a one-hot proposal
+                n_ok, masks = guide.along(proposed)
+                proposed = proposed[:n_ok]
+        m = len(proposed)
         t_verify = time.perf_counter()
-        tokens = torch.cat([cur, torch.tensor(forced, dtype=torch.long, device=device), proposed[:m]])[None]
-        p = steps.verify(model, tokens, slots[pos : pos + f + m + 1], kv_bucket(pos + f + m + 1, model.max_seq_length),
-                         upload(masks) if masks is not None else None, **sampling)
-        n, cur = accept(p[-(m + 1):], q[:m], proposed[:m])
+        tokens = torch.tensor([[cur, *forced, *proposed]], device=device)
+        logits = backend.verify(tokens, slots[pos : pos + f + m + 1], kv_bucket(pos + f + m + 1, model.max_seq_length))
+        picks = pick(logits[-(m + 1):], [options] * (m + 1), u[n_out : n_out + m + 1],  # the round's one host sync
+                     None if masks is None else generate.allowed(upload(masks), V))
+        n = next((j for j in range(m) if picks[j] != proposed[j]), m)  # the guesses the target draws too
+        cur = picks[n]
+        if cur == NOT_FINITE:
+            raise generate.not_finite(len(out) + n)
         t_accept = time.perf_counter()
         if draft is not None and n == m:  # the draft never saw t, its own last proposal: put it in its cache
-            steps.draft(draft, t, slots[pos + f + m : pos + f + m + 1],
-                        kv_bucket(pos + f + m + 1, draft.max_seq_length), **sampling)
+            drafter.decode(t, slots[pos + f + m : pos + f + m + 1], None,
+                           kv_bucket(pos + f + m + 1, draft.max_seq_length))
         if rule is not None and m > 0:  # under tensor parallelism every rank must draft alike: they share timings
             times = [t_verify - t_round, t_accept - t_verify, time.perf_counter() - t_round]
             rule.update(m, n, *(agree(times) if agree else times))
         accepted[n] += 1
         drafted += m
-        emitted = torch.cat([proposed[:n], cur]).tolist()
+        emitted = proposed[:n] + [cur]
         pos += f + n + 1
     device_sync(device)
     decode_s = time.perf_counter() - t0 - prefill_s
@@ -223,9 +227,11 @@ SPECULATE = ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead")
 
 def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[str] = "auto", draft=None,
               speculate_k: int = 4, ngram: Optional[int] = 3, adaptive: bool = True, max_nodes: int = 32,
-              guide: Optional[Guide] = None, steps: Steps = Steps(), parallel=None,
-              chooser: Optional[choose.Chooser] = None, **sampling) -> Callable:
-    """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0) -> Generation.
+              guide: Optional[Guide] = None, backend: Optional[Backend] = None,
+              draft_backend: Optional[Backend] = None, parallel=None, chooser: Optional[choose.Chooser] = None,
+              **sampling) -> Callable:
+    """The decoding loop asked for: loop(prompts, eos_ids=None, callback=None, stop=None, cached=0, seeds=None) ->
+    Generation (seeds: one a prompt). backend and draft_backend: how the target and the draft run (backend.py).
     speculate: "auto" (the default: each round the guess expected to pay best, among prompt lookup, lookahead
     and, with a draft model, its chain, tree and staged tree, or plain decoding when none pays; see
     choose.Chooser), None or "plain" (plain decoding, any batch), or one batch-1 proposer: "draft" (a chain from
@@ -251,32 +257,37 @@ def make_loop(model: Transformer, *, max_new_tokens: int, speculate: Optional[st
         raise ValueError("token trees do not support guided generation; use speculate='draft' or 'lookup'")
     if as_tree and parallel:  # each rank would choose the tree's size from its own timings
         raise ValueError("token trees are not supported with tensor parallelism")
+    backend = backend if backend is not None else Backend(model)
+    if draft is not None and draft_backend is None:
+        draft_backend = Backend(draft, backend.compiled)
     if speculate is None:
-        return generate.plain_loop(model, max_new_tokens=max_new_tokens, guide=guide, steps=steps, **sampling)
+        return generate.plain_loop(model, max_new_tokens=max_new_tokens, guide=guide, backend=backend, **sampling)
 
     def batch_of_one(prompts: list[list[int]]) -> list[int]:
         if len(prompts) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time, got {len(prompts)}")
         return prompts[0]
+    seed = lambda seeds: {"seed": seeds[0]} if seeds else {}  # noqa: E731
     if speculate == "auto":  # one chooser, with its measured costs and rates, for every call
-        chooser, plain = chooser or choose.auto(draft, steps.draft_tree, ngram or 3), generate.plain_loop(
-            model, max_new_tokens=max_new_tokens, steps=steps, **sampling)
-        return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: trees.tree_generate(
-            model, prompts[0], max_new_tokens, chooser, max_nodes, eos_ids=eos_ids, callback=callback, steps=steps,
-            stop=stop, cached=cached, sizer=chooser, **sampling) if len(prompts) == 1 else plain(
-            prompts, eos_ids, callback, stop, cached)
+        chooser, plain = chooser or choose.auto(draft_backend, ngram or 3), generate.plain_loop(
+            model, max_new_tokens=max_new_tokens, backend=backend, **sampling)
+        return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0, seeds=None: trees.tree_generate(
+            model, prompts[0], max_new_tokens, chooser, max_nodes, eos_ids=eos_ids, callback=callback,
+            backend=backend, stop=stop, cached=cached, sizer=chooser, **sampling, **seed(seeds)) \
+            if len(prompts) == 1 else plain(prompts, eos_ids, callback, stop, cached, seeds)
     if as_tree:  # one proposer and one set of measured costs for every call
         sizer = trees.Sizer()
-        proposer = trees.DraftTree(draft, steps.draft_tree, staged=trees.Suffix() if speculate == "staged" else None) \
+        proposer = trees.DraftTree(draft_backend, staged=trees.Suffix() if speculate == "staged" else None) \
             if draft is not None else trees.Suffix() if speculate == "suffix" else trees.Lookahead()
-        return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: trees.tree_generate(
+        return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0, seeds=None: trees.tree_generate(
             model, batch_of_one(prompts), max_new_tokens, proposer, max_nodes, eos_ids=eos_ids, callback=callback,
-            steps=steps, stop=stop, cached=cached, sizer=sizer, method=speculate, **sampling)
+            backend=backend, stop=stop, cached=cached, sizer=sizer, method=speculate, **sampling, **seed(seeds))
     agree = (lambda values: parallel.sum(values, mean=True)) if parallel else None
-    return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0: speculative_generate(
+    return lambda prompts, eos_ids=None, callback=None, stop=None, cached=0, seeds=None: speculative_generate(
         model, batch_of_one(prompts), max_new_tokens, speculate_k, draft=draft,
         ngram=(ngram or 3) if speculate == "lookup" else None, adaptive=adaptive, eos_ids=eos_ids, callback=callback,
-        steps=steps, agree=agree, stop=stop, cached=cached, guide=guide, **sampling)
+        backend=backend, draft_backend=draft_backend, agree=agree, stop=stop, cached=cached, guide=guide,
+        **sampling, **seed(seeds))
 
 
 def speculate_of(args) -> str:

@@ -29,8 +29,10 @@ import torch
 from torch import Tensor
 
 import generate
-from generate import Generation, Steps, device_sync, draft_probs, peak_memory_gb, tree_probs  # noqa: F401
+from backend import Backend
+from generate import Generation, device_sync, peak_memory_gb
 from model import kv_bucket
+from sampling import NOT_FINITE, Sampling, pick
 
 
 def reserve(models: list, T: int, max_new_tokens: int, extra: int, what: str, cached: int) -> int:
@@ -103,36 +105,27 @@ def tree_inputs(tree: Tree, base: int, rows: range, kv_len: int, window: int, de
     return mask.to(device), pos.to(device)
 
 
-def forward_nodes(model, step: Callable, tree: Tree, base: int, rows: range, slots: Tensor, **sampling) -> Tensor:
-    """Run the tree's nodes `rows` through model, writing their KV at slots base + row: their distributions [S, V]."""
-    device = slots.device
+def forward_nodes(backend: Backend, tree: Tree, base: int, rows: range, slots: Tensor) -> Tensor:
+    """Run the tree's nodes `rows` through backend's model, writing their KV at slots base + row: the logits after
+    each [S, V] (at batch 1 on the C++ step, its buffer: read them before its next pass)."""
+    model, device = backend.model, slots.device
     kv_len = kv_bucket(base + len(tree.tokens), model.max_seq_length)
     mask, pos = tree_inputs(tree, base, rows, kv_len, model.args.sliding_window, device)
     tokens = torch.tensor([tree.tokens[rows.start : rows.stop]], device=device)
-    return step(model, tokens, slots[base + rows.start : base + rows.stop], kv_len, mask, pos, **sampling)
+    return backend.verify(tokens, slots[base + rows.start : base + rows.stop], kv_len, mask, pos)
 
 
-def walk(tree: Tree, p: Tensor, greedy: bool) -> tuple[list[int], int]:
-    """The accepted path (node indices from the root) and the target's next token after it. p [N, V]: the target's
-    distribution after each node. Each child of the current node is tried in turn: accepted with the probability
-    the target has left for its token, else that token's mass is removed and the rest renormalized; if no child is
-    accepted the next token is drawn from what is left. That is an exact draw from the target's distribution."""
+def walk(tree: Tree, logits: Tensor, options: Sampling, u: list[float]) -> tuple[list[int], int]:
+    """The accepted path (node indices from the root) and the target's next token after it. logits [N, V]: the
+    target's after each node. Every node's token is drawn as plain decoding draws it at the node's depth (u[d]:
+    the uniform of the d-th token after the root), and the path follows the drawn tokens while they are children:
+    what plain decoding writes, token for token, and each child kept with the target's probability of it."""
+    depth = tree.depths()
+    top = pick(logits, [options] * len(depth), [u[d] for d in depth])  # the round's one host sync
     path = [0]
-    if greedy:
-        top = p.argmax(-1).tolist()  # the round's one host sync
-        while top[path[-1]] in tree.kids[path[-1]]:
-            path.append(tree.kids[path[-1]][top[path[-1]]])
-        return path, top[path[-1]]
-    while True:
-        left = p[path[-1]].double()
-        for token, child in tree.kids[path[-1]].items():
-            if float(torch.rand((), dtype=torch.float64)) < float(left[token]):
-                path.append(child)
-                break
-            left[token] = 0.0
-            left = left / left.sum()
-        else:
-            return path, int(generate.draw(left[None].float())[0])
+    while top[path[-1]] in tree.kids[path[-1]]:
+        path.append(tree.kids[path[-1]][top[path[-1]]])
+    return path, top[path[-1]]
 
 
 def path_to(tree: Tree, node: int) -> list[int]:
@@ -351,18 +344,19 @@ class DraftTree:
     run them; where the draft agrees with the guess, the next level starts below it, several levels deeper for one
     pass. The draft's cache follows the target's: after a round it keeps the accepted path."""
 
-    def __init__(self, draft, step: Callable = draft_probs, top_k: int = 4, width: int = 4, depth: int = 6,
+    def __init__(self, draft: Backend, top_k: int = 4, width: int = 4, depth: int = 6,
                  staged: Optional[Suffix] = None, guess: int = 4):
-        self.draft, self.step, self.top_k, self.width, self.depth = draft, step, top_k, width, depth
+        self.draft, self.top_k, self.width, self.depth = draft, top_k, width, depth
         self.staged, self.guess = staged, guess if staged is not None else 0
         self.cached = 0  # the draft's cache holds the context's first `cached` tokens
         self.room = 1 + depth * (width + self.guess)  # cache slots a round writes past the root, at most
         self.pass_s = 0.0  # seconds per draft pass over a level
 
-    def start(self, prompt: list[int], cached: int, slots: Tensor, prefill_step: Callable):
+    def start(self, prompt: list[int], cached: int, slots: Tensor):
         T = len(prompt)
         idx = torch.tensor([prompt], device=slots.device)
-        prefill_step(self.draft, idx[:, cached:], slots[cached:T], None, kv_bucket(T, self.draft.max_seq_length))
+        self.draft.begin()
+        self.draft.prefill(idx[:, cached:], slots[cached:T], None, kv_bucket(T, self.draft.model.max_seq_length))
         self.cached, self.slots = T, slots
 
     def propose(self, context: list[int], budget: int, worth: Optional[Callable] = None) -> Tree:
@@ -374,8 +368,7 @@ class DraftTree:
         for i, token in enumerate(context[self.cached + 1 :]):
             behind.add(i, token, 1.0)
         t = time.perf_counter()
-        p = forward_nodes(self.draft, self.step, behind, self.cached, range(len(behind.tokens)), self.slots,
-                          temperature=1.0)[-1:]
+        p = forward_nodes(self.draft, behind, self.cached, range(len(behind.tokens)), self.slots)[-1:].softmax(-1)
         self.pass_s = self.pass_s or time.perf_counter() - t
         if self.staged is not None:
             self.staged.observe(context)
@@ -395,8 +388,7 @@ class DraftTree:
                 break
             guessed = self.guess_under(tree, frontier[0], path)
             t = time.perf_counter()
-            p = forward_nodes(self.draft, self.step, tree, base, range(start, len(tree.tokens)), self.slots,
-                              temperature=1.0)
+            p = forward_nodes(self.draft, tree, base, range(start, len(tree.tokens)), self.slots).softmax(-1)
             ran = list(range(start, len(tree.tokens)))
             self.grown |= set(ran)
             for i in guessed:  # the draft's probability of each guess, now that it has run them
@@ -424,7 +416,7 @@ class DraftTree:
         seen = 0
         while seen < len(kept) and kept[seen] in self.grown:
             seen += 1
-        compact(self.draft, self.base, kept[:seen])
+        compact(self.draft.model, self.base, kept[:seen])
         self.cached = self.base + seen
 
 
@@ -449,10 +441,10 @@ class Sizer:
     last: list = field(default_factory=list)  # the last tree's scores, best first
     plain_s: float = 0.0  # seconds per plain decode step, where measured (else cost[1] stands for it)
 
-    def measure(self, model, step: Callable, base: int, slots: Tensor, max_nodes: int,
-                decode: Optional[Callable] = None, **sampling):
+    def measure(self, backend: Backend, base: int, slots: Tensor, max_nodes: int, plain: bool = True):
         """Time a verify pass over a chain of each size (after a warm-up, which also compiles), at slot base, and
-        the plain decode step, if given."""
+        the plain decode step, if plain."""
+        model = backend.model
         for n in [s for s in self.sizes if s < max_nodes] + [max_nodes]:
             chain = Tree([0])
             for i in range(n - 1):
@@ -461,15 +453,15 @@ class Sizer:
             for _ in range(3):
                 device_sync(slots.device)
                 t = time.perf_counter()
-                forward_nodes(model, step, chain, base, range(n), slots, **sampling)
+                forward_nodes(backend, chain, base, range(n), slots)
                 device_sync(slots.device)
                 times.append(time.perf_counter() - t)
             self.cost[n] = min(times[1:])
         times, one = [], torch.zeros(1, 1, dtype=torch.long, device=slots.device)
-        for _ in range(3 if decode is not None else 0):
+        for _ in range(3 if plain else 0):
             device_sync(slots.device)
             t = time.perf_counter()
-            decode(model, one, slots[base : base + 1], None, kv_bucket(base + 1, model.max_seq_length), **sampling)
+            backend.decode(one, slots[base : base + 1], None, kv_bucket(base + 1, model.max_seq_length))
             device_sync(slots.device)
             times.append(time.perf_counter() - t)
         self.plain_s = min(times[1:], default=0.0)
@@ -516,35 +508,40 @@ class Sizer:
 
 @torch.inference_mode()  # as generate: the compiled steps are shared
 def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_nodes: int = 32, *,
-                  eos_ids=None, callback: Optional[Callable] = None, steps: Steps = Steps(),
+                  eos_ids=None, callback: Optional[Callable] = None, backend: Optional[Backend] = None,
                   stop: Optional[Callable] = None, cached: int = 0, sizer: Optional[Sizer] = None,
-                  method: str = "tree", **sampling) -> Generation:
+                  method: str = "tree", temperature: float = 0.0, top_k: Optional[int] = None, top_p: float = 1.0,
+                  seed: Optional[int] = None) -> Generation:
     """Batch-1 generation, each round verifying a tree of up to max_nodes tokens from proposer (Lookup, Suffix,
     Lookahead or DraftTree). sizer: keeps the verify costs between calls (they are measured on the first); a
     choose.Chooser is both, and names each round's method itself. method: the name the metrics count the rounds
-    that proposed under. eos_ids, callback, stop and cached: as generate.generate."""
+    that proposed under. eos_ids, callback, stop, cached and seed: as generate.generate; backend: how the target
+    runs (backend.py; a DraftTree holds the draft's)."""
     if max_nodes < 1:
         raise ValueError(f"the tree needs at least 1 node, got {max_nodes}")
+    options = Sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    backend = backend if backend is not None else Backend(model)
     device, T, draft = model.tok_embeddings.weight.device, len(prompt), getattr(proposer, "draft", None)
     # a round writes up to max_nodes slots past the last kept token (a draft's own tree may take more of its cache)
-    length = reserve([model, draft], T, max_new_tokens, max(max_nodes, getattr(proposer, "room", 0)),
+    length = reserve([model, draft.model if draft is not None else None], T, max_new_tokens, max(max_nodes, getattr(proposer, "room", 0)),
                      f"the tree ({max_nodes})", cached)
     slots = torch.arange(length, device=device)
     sizer = sizer if sizer is not None else Sizer()
-    greedy = sampling.get("temperature", 0) == 0
+    u = [0.0] * (max_new_tokens + length) if options.greedy else options.uniforms(max_new_tokens + length)
+    backend.begin()
     device_sync(device)
     t0 = time.perf_counter()
     idx = torch.tensor([prompt], device=device)
-    cur = int(steps.prefill(model, idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length),
-                            **sampling))
+    cur = pick(backend.prefill(idx[:, cached:], slots[cached:T], None, kv_bucket(T, model.max_seq_length)),
+               [options], u[:1])[0]
     if draft is not None:
-        proposer.start(prompt, cached, slots, steps.prefill)
+        proposer.start(prompt, cached, slots)
     device_sync(device)
     prefill_s = time.perf_counter() - t0
     if not sizer.cost:  # once, untimed; slots from T on are free until the first round writes them
-        sizer.measure(model, steps.tree, T, slots, max_nodes, steps.decode, **sampling)
+        sizer.measure(backend, T, slots, max_nodes)
         t0 = time.perf_counter() - prefill_s
-    if cur == generate.NOT_FINITE:
+    if cur == NOT_FINITE:
         raise generate.not_finite(0)
     out, emitted, accepted, eos, pos, proposed, sizes = [], [cur], [], set(eos_ids or ()), T, 0, {}
     methods, made = {}, None  # the new tokens after the first, by the method of the round that made them
@@ -565,17 +562,16 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
         tree, kept = full.best(sizer.choose(full)) if full is not None else (Tree([out[-1]]), [0])
         t_verify = time.perf_counter()
         if len(tree.tokens) > 1:
-            p = forward_nodes(model, steps.tree, tree, pos, range(len(tree.tokens)), slots, **sampling)
-            if not bool(torch.isfinite(p[:, 0]).all()):  # tree_probs makes a damaged row NaN throughout
-                raise generate.not_finite(len(out))
-            path, nxt = walk(tree, p, greedy)
+            p = forward_nodes(backend, tree, pos, range(len(tree.tokens)), slots)  # [N, V]
+            path, nxt = walk(tree, p, options, u[len(out):])
             compact(model, pos, path)
         else:  # nothing to verify: plain decoding's own step; a draft reads the tokens it missed next time
             path, p = [0], None
-            nxt = int(steps.decode(model, torch.tensor([[out[-1]]], device=device), slots[pos : pos + 1], None,
-                                   kv_bucket(pos + 1, model.max_seq_length), **sampling)[0])
-            if nxt == generate.NOT_FINITE:
-                raise generate.not_finite(len(out))
+            logits = backend.decode(torch.tensor([[out[-1]]], device=device), slots[pos : pos + 1], None,
+                                    kv_bucket(pos + 1, model.max_seq_length))
+            nxt = pick(logits, [options], u[len(out) : len(out) + 1])[0]
+        if nxt == NOT_FINITE:  # (a damaged row on the path; off it, a NaN is never drawn)
+            raise generate.not_finite(len(out))
         if full is not None:
             proposer.accepted([kept[i] for i in path], tree, p)
         sizer.update(tree, len(path) - 1, t_verify - t if full is not None else None, time.perf_counter() - t)

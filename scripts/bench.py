@@ -32,7 +32,8 @@ from bench_quantize import random_checkpoint  # noqa: E402
 import guided  # noqa: E402
 import llama_cpp  # noqa: E402
 from checkpoint import huge_page_block, load_model, load_tokenizer, read_config  # noqa: E402
-from generate import (DEFAULT_CHECKPOINT, build_steps, device_sync, generate, peak_memory_gb,  # noqa: E402
+from backend import Backend  # noqa: E402
+from generate import (DEFAULT_CHECKPOINT, device_sync, generate, peak_memory_gb,  # noqa: E402
                       resolve_device, weight_bytes)
 from model import transformer_configs  # noqa: E402
 
@@ -170,7 +171,7 @@ def run_one(cfg: dict) -> dict:
 def run_ours(cfg: dict, device):
     """(weight bytes, prefill FLOPs per token, one timed greedy generation) for this project's model."""
     model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
-    steps = build_steps(cfg["compiled"])
+    steps = Backend(model, compile=cfg["compiled"], cpp=cfg["compiled"])  # eager: model.py's forward alone
     cfg["prompt"] = min(cfg["prompt"], model.args.block_size - cfg["new_tokens"])  # the built-in model stops at 1024
     prompts = torch.randint(3, model.args.vocab_size, (cfg["batch"], cfg["prompt"])).tolist()
     model.setup_caches(cfg["batch"], cfg.get("cache") or cfg["prompt"] + cfg["new_tokens"])
@@ -182,10 +183,10 @@ def run_ours(cfg: dict, device):
                                fast_forward=ff) for ff in (True, False)]
 
     def run():
-        r = generate(model, prompts, cfg["new_tokens"], steps=steps, temperature=0)
+        r = generate(model, prompts, cfg["new_tokens"], backend=steps, temperature=0)
         out = {"ttft_s": r.prefill_s, "decode_tok_s": r.forwards / r.decode_s, "total_s": r.prefill_s + r.decode_s}
         if cfg.get("guided"):  # the same prompts under the schema, right after: they see the same machine
-            g, m = (generate(model, prompts, cfg["new_tokens"], steps=steps, temperature=0, guide=x) for x in guides)
+            g, m = (generate(model, prompts, cfg["new_tokens"], backend=steps, temperature=0, guide=x) for x in guides)
             out.update(guided_tok_s=g.decode_tokens / g.decode_s, guided_plain_tok_s=r.decode_tokens / r.decode_s,
                        guided_forced=g.forced / sum(map(len, g.rows)), guided_mask_steps_s=m.forwards / m.decode_s,
                        total_s=sum(x.prefill_s + x.decode_s for x in (r, g, m)))

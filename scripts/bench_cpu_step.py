@@ -1,5 +1,5 @@
 """The batch-1 CPU decode step two ways, alternating in one process: cpu_step.py's one C++ call, and the step
-torch.compile makes of generate.decode_one_token (its C++ wrapper), on the same model, kernels and cache. Prints
+torch.compile makes of model.py's decode step (its C++ wrapper), on the same model, kernels and cache. Prints
 each checkpoint's median step time both ways and the ratio, compiled / C++ (above 1: the C++ step is faster)."""
 import argparse
 import json
@@ -15,7 +15,8 @@ import cli  # noqa: E402
 import cpu_step  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from cpu_gemv import cpu_name  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, compile_step, decode_one_token, weight_bytes  # noqa: E402
+from backend import compile_step, last_logits  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, weight_bytes  # noqa: E402
 from model import kv_bucket  # noqa: E402
 
 
@@ -35,9 +36,9 @@ def compare(path: Path, context: int, rounds: int, steps: int) -> dict:
     if cpp is None:
         raise ValueError(f"{path}: cpu_step cannot run this model here (see cpu_step.step_for: bf16 activations, "
                          f"this CPU's kernels, a head size the attention kernel takes)")
-    compiled = compile_step(decode_one_token)
+    compiled = compile_step(lambda *a: last_logits(*a).argmax(-1))  # model.py's step, compiled, and its pick
     cur, pos, kv_len = torch.tensor([[5]]), torch.tensor([context]), kv_bucket(context + 1, context + 64)
-    ways = {"compiled": lambda: compiled(model, cur, pos, None, kv_len, temperature=0.0),
+    ways = {"compiled": lambda: compiled(model, cur, pos, None, kv_len),
             "C++": lambda: cpp.greedy(cur, pos)}  # as generate picks greedy tokens
     for run in ways.values():  # compiles, and warms both
         seconds_per_step(run, 3)

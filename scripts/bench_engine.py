@@ -30,6 +30,7 @@ import cli  # noqa: E402
 import llama_cpp  # noqa: E402
 import llama_server  # noqa: E402
 import cpu_gemv  # noqa: E402
+from backend import Backend  # noqa: E402
 import generate  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from engine import Engine, Request  # noqa: E402
@@ -69,7 +70,7 @@ def batch_one(model, steps, new_tokens: int = 128) -> float:
     prompt = [1] * 64
     rates = []
     for _ in range(3):
-        g = generate.generate(model, [prompt], new_tokens, steps=steps, temperature=0.0)
+        g = generate.generate(model, [prompt], new_tokens, backend=steps, temperature=0.0)
         rates.append(g.decode_tokens / g.decode_s)
     return max(rates[1:])
 
@@ -117,7 +118,7 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
         raise ValueError(f"{name}: requests of up to {longest} tokens exceed the model's context "
                          f"{model.args.block_size}; lower --lengths")
     model.setup_caches(1, longest)
-    single = batch_one(model, generate.build_steps(compile=True))
+    single = batch_one(model, Backend(model, compile=True))
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) if args.temperature else {}
     engine = Engine(model, max_rows=args.concurrency)
     engine.run([Request(p[:32], max_new_tokens=8) for p, _ in reqs[: args.concurrency]])  # warm-up: allocations

@@ -20,7 +20,8 @@ import cpu_gemv  # noqa: E402
 import llama_cpp  # noqa: E402
 from bench import COPY_GIB, checkpoint, read_bandwidth  # noqa: E402
 from checkpoint import load_model, read_config  # noqa: E402
-from generate import build_steps, generate, resolve_device, weight_bytes  # noqa: E402
+from backend import Backend  # noqa: E402
+from generate import generate, resolve_device, weight_bytes  # noqa: E402
 
 BENCH = Path(__file__).with_name("bench.py")  # its --serve runs serve_peer in a child process
 # "kept": our decode at depth over our decode after KEPT_CONTEXT tokens (half the depth, if less), in this many
@@ -48,24 +49,24 @@ def serve_peer(cfg: dict):
     device = resolve_device(cfg["device"])
     torch.manual_seed(0)
     model = load_model(cfg["checkpoint"], device, torch.bfloat16, cfg["cpu_kernels"])
-    steps, n, depth = build_steps(True), cfg["new_tokens"], cfg["depth"]
+    steps, n, depth = Backend(model, compile=True), cfg["new_tokens"], cfg["depth"]
     vocab = model.args.vocab_size
     model.setup_caches(1, max(cfg["prefill"], depth + 1) + n, torch.int8 if cfg.get("kv_int8") else None)
     prompt = torch.randint(3, vocab, (cfg["prefill"],)).tolist()
     long = torch.randint(3, vocab, (depth + 1,)).tolist()
 
     def rate(ids: list[int], tokens: int, cached: int = 0) -> float:  # decode tokens/s
-        r = generate(model, [ids], tokens, steps=steps, temperature=0, cached=cached)
+        r = generate(model, [ids], tokens, backend=steps, temperature=0, cached=cached)
         return r.forwards / r.decode_s
 
     def measure(kind: str) -> float:
         # untimed first, as llama-bench warms up before each measurement: while the other side ran, the OS may have
         # dropped the weights' pages from its cache (seen on a VM), and a timed step would read them from disk
-        generate(model, [prompt[:1]], 8, steps=steps, temperature=0)
+        generate(model, [prompt[:1]], 8, backend=steps, temperature=0)
         if kind == "decode":
             return rate(prompt[:1], n)
         if kind == "prefill":
-            return cfg["prefill"] / generate(model, [prompt], 1, steps=steps, temperature=0).prefill_s
+            return cfg["prefill"] / generate(model, [prompt], 1, backend=steps, temperature=0).prefill_s
         with torch.no_grad():
             for layer in model.layers:
                 c = layer.attention.kv_cache

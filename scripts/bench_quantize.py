@@ -19,7 +19,8 @@ import cli  # noqa: E402
 from checkpoint import load_model, read_config  # noqa: E402
 from cpu_gemv import cpu_name  # noqa: E402
 from eval import perplexity, read_texts, stdlib_files  # noqa: E402
-from generate import DEFAULT_CHECKPOINT, build_steps, generate, resolve_device  # noqa: E402
+from backend import Backend  # noqa: E402
+from generate import DEFAULT_CHECKPOINT, generate, resolve_device  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from quantize_checkpoint import quantize_checkpoint  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -54,13 +55,13 @@ def random_checkpoint(name: str, out_dir: Path, block_size: int = 0, device="cpu
 def decode_speed(ckpt: Path, device, new_tokens: int, repeats: int, compile: bool) -> float:
     """Median batch-1 greedy decode tokens/sec over `repeats` runs, after one warm-up (and compile) run."""
     model = load_model(ckpt, device, torch.bfloat16)
-    steps = build_steps(compile)
+    steps = Backend(model, compile=compile, cpp=compile)
     try:
         prompt = [Tokenizer(ckpt / checkpoint.TOKENIZER).encode("def fibonacci(n):", bos=True)]
-        generate(model, prompt, new_tokens, steps=steps, temperature=0)
+        generate(model, prompt, new_tokens, backend=steps, temperature=0)
         rates = []
         for _ in range(repeats):
-            r = generate(model, prompt, new_tokens, steps=steps, temperature=0)
+            r = generate(model, prompt, new_tokens, backend=steps, temperature=0)
             rates.append(r.forwards / r.decode_s)
         return statistics.median(rates)
     finally:

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cli  # noqa: E402
 import cpu_gemv  # noqa: E402
-import generate  # noqa: E402
+from backend import Backend  # noqa: E402
 import speculative  # noqa: E402
 import trees  # noqa: E402
 from checkpoint import load_model, load_tokenizer  # noqa: E402
@@ -216,7 +216,8 @@ def run_once(model, draft, method: str, prompt: list[int], new_tokens: int, eos_
     """One greedy generation by a fresh loop of `method` ("plain" or one of METHODS), with speculative.py's
     default settings: its seconds, tokens and figures."""
     loop = speculative.make_loop(model, max_new_tokens=new_tokens, speculate=None if method == "plain" else method,
-                                 draft=draft if method in WITH_DRAFT or method == "auto" else None, steps=steps,
+                                 draft=draft if method in WITH_DRAFT or method == "auto" else None, backend=steps[0],
+                                 draft_backend=steps[1],
                                  speculate_k=CLI["speculate_k"], max_nodes=CLI["max_nodes"], temperature=0.0)
     r = loop([prompt], eos_ids)
     return {"seconds": r.prefill_s + r.decode_s, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
@@ -230,6 +231,7 @@ def per_token(run: dict) -> float:  # decoding's seconds per token after the fir
 def bench_model(name: str, work: Path, args, device, steps) -> dict:
     """Every prompt of every workload, all methods a round, --rounds rounds; the raw runs and the medians."""
     model, draft, tokenizer, path = load(name, work, device)
+    steps = (Backend(model, steps), None if draft is None else Backend(draft, steps))
     methods = ["plain"] + [m for m in args.methods if draft is not None or m not in WITH_DRAFT]
     chat = tokenizer.chat_template is not None
     count = lambda text: len(tokenizer.encode(text, bos=False))  # noqa: E731
@@ -372,7 +374,7 @@ def main(argv=None):
     device = cli.resolve_device(args.device)
     if device.type == "cpu":
         cli.set_threads(args.threads)
-    steps = generate.build_steps(args.compile)
+    steps = args.compile  # each model's Backend is made with it
     results = {"machine": machine(device), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit(),
                "new_tokens": args.new_tokens, "rounds": args.rounds, "prompts": args.prompts, "seed": args.seed,
                "compile": args.compile, "models": {}}

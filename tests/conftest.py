@@ -323,3 +323,20 @@ def smollm2_imports(tmp_path_factory):
             quantize_checkpoint(d / "fp32", "int8", out_dir=d / "int8")
             (d / "stdout.txt").write_text(r.stdout)  # last: its presence says the three imports are whole
     return {"int4": d / "int4", "fp32": d / "fp32", "int8": d / "int8", "stdout": (d / "stdout.txt").read_text()}
+
+
+def reference_probs(logits, temperature: float = 1.0, top_k=None, top_p=None):  # [B, V] -> [B, V] float32
+    """The distribution sampling.py draws from, written the plain way (a full sort) as the tests' reference:
+    temperature, then the top_k most likely, then the nucleus of those (a token stays while the tokens ranked above
+    it hold less than top_p)."""
+    import torch
+    logits = logits.float() / max(temperature, 1e-5)
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -float("inf"))
+    return logits.softmax(-1)

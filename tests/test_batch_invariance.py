@@ -166,16 +166,17 @@ def test_every_speculative_method_decodes_greedily_what_plain_decoding_does_in_b
 @pytest.mark.parametrize("kv_cache, weights", [(None, "bf16"), (torch.int8, "bf16"), (None, "int8")])
 @torch.inference_mode()
 def test_the_cpp_steps_verify_rows_compute_what_its_one_token_step_computes(kernels, kv_cache, weights):
-    """With compiled steps, batch-1 decoding runs cpu_step's C++ step and verify passes its rows (a chain, then a
+    """Batch-1 decoding runs cpu_step's C++ step and verify passes its rows (a chain, then a
     token tree): each row is that step's logits for its token, bit for bit."""
     import cpu_step
     model = bf16_model(64, kv_cache, weights)
     rng = random.Random(4)
     base, tokens = 250, [rng.randrange(64) for _ in range(262)]
     prefill(model, tokens[:base])
-    rows = cpu_step.rows_for(model, torch.tensor([tokens[base:]]))
-    assert rows is not None
-    many = rows(torch.tensor([tokens[base:]]), torch.arange(base, len(tokens)), None, 0)[0].clone()
+    from backend import Backend
+    backend = Backend(model)
+    assert backend.cpp() is not None
+    many = backend.verify(torch.tensor([tokens[base:]]), torch.arange(base, len(tokens)), 0).clone()
     one = cpu_step.step_for(model)
     for i, t in enumerate(tokens[base:]):
         assert torch.equal(one(torch.tensor([[t]]), torch.tensor([base + i]))[0], many[i]), i
@@ -184,7 +185,7 @@ def test_the_cpp_steps_verify_rows_compute_what_its_one_token_step_computes(kern
     tree = random_tree(rng, tokens[base], 20)
     n = len(tree.tokens)
     mask, pos = tree_inputs(tree, base, range(n), kv_bucket(base + n, model.max_seq_length), 0, "cpu")
-    many = rows(torch.tensor([tree.tokens]), torch.arange(base, base + n), None, 0, mask=mask, pos=pos)[0].clone()
+    many = backend.verify(torch.tensor([tree.tokens]), torch.arange(base, base + n), 0, mask, pos).clone()
     for node in range(n):
         path = [tree.tokens[0]] + path_to(tree, node)
         for i, t in enumerate(path):

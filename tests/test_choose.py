@@ -9,7 +9,11 @@ from checkpoint import load_model
 from choose import Chooser
 from test_speculative import chi_square_p_value, pair  # noqa: F401 (a fixture)
 from test_trees import exact_joint, greedy, tiny
+from backend import Backend
+from sampling import Sampling
 from trees import DraftTree, Lookup, Suffix, Tree, path_to, tree_generate, walk
+
+GREEDY = Sampling(temperature=0)
 
 V = 50  # the vocabulary of the model-free texts below
 
@@ -36,7 +40,7 @@ def drive(chooser: Chooser, following, prompt: list[int], n: int, max_nodes: int
         p = torch.zeros(len(tree.tokens), V)
         for node in range(len(tree.tokens)):
             p[node, following(context + path_to(tree, node))] = 1.0
-        path, nxt = walk(tree, p, greedy=True)
+        path, nxt = walk(tree, p, GREEDY, [0.0] * len(tree.tokens))
         if full is not None:
             chooser.accepted([kept[i] for i in path], tree, p if len(tree.tokens) > 1 else None)
         chooser.update(tree, len(path) - 1, 0.0 if full is not None else None, chooser.cost_of(len(tree.tokens)))
@@ -186,7 +190,7 @@ class Rotating(Chooser):
 
 
 def rotating(draft=None) -> Chooser:
-    found = choose.auto(draft)
+    found = choose.auto(Backend(draft) if draft is not None else None)
     return Rotating(found.cheap | {"suffix": Suffix()} | found.drafts)
 
 

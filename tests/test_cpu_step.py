@@ -8,9 +8,11 @@ import cpu_gemv
 import cpu_step
 import generate as gen
 import quantize
+from backend import Backend
 from checkpoint import load_model
 from generate import DEFAULT_CHECKPOINT, generate
 from model import ModelArgs, RMSNorm, Transformer
+from sampling import Sampling, pick
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
 TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
@@ -93,40 +95,40 @@ def test_q_k_v_biases_and_one_kv_head_are_taken_as_model_py_takes_them():
     assert all(close(ref, got) for ref, got in logits_both_ways(tiny("int8", qkv_bias=True, n_kv_head=1)))
 
 
-def test_compiled_decoding_runs_the_step_and_gives_eager_tokens(monkeypatch):
+def test_decoding_runs_the_step_and_gives_model_py_s_tokens(monkeypatch):
     model = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
     prompts = [[1, 40, 41, 42], [1, 99, 7, 8, 9, 10, 11, 12, 13]]
-    eager = [generate(model, [p], 40, temperature=0.0).rows[0] for p in prompts]
+    eager = [generate(model, [p], 40, temperature=0.0, backend=Backend(model, cpp=False)).rows[0] for p in prompts]
     calls = []
     for name in ("__call__", "greedy"):  # logits to sample from, or the greedy pick
         run = getattr(cpu_step.Step, name)
         monkeypatch.setattr(cpu_step.Step, name, lambda self, *a, run=run: calls.append(1) or run(self, *a))
-    steps = gen.build_steps(compile=True)
+    backend = Backend(model)
     shown = []  # a callback sees each token as it comes: a step at a time from Python
-    assert [generate(model, [p], 40, steps=steps, temperature=0.0, callback=shown.append).rows[0]
+    assert [generate(model, [p], 40, backend=backend, temperature=0.0, callback=shown.append).rows[0]
             for p in prompts] == eager
     assert len(calls) == 2 * 39 and len(shown) == 2 * 40  # every token after prefill's
 
 
 def test_greedy_decoding_without_a_callback_is_one_c_plus_plus_loop_with_eager_tokens(monkeypatch):
     model = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
-    eager = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0).rows[0]
+    eager = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0, backend=Backend(model, cpp=False)).rows[0]
     loops = []
     run = cpu_step.Step.greedy_loop
     monkeypatch.setattr(cpu_step.Step, "greedy_loop", lambda self, *a: loops.append(run(self, *a)) or loops[-1])
     monkeypatch.setattr(cpu_step.Step, "__call__", lambda *a: pytest.fail("a step from Python"))
     monkeypatch.setattr(cpu_step.Step, "greedy", lambda *a: pytest.fail("a step from Python"))
-    result = generate(model, [[1, 40, 41, 42]], 40, steps=gen.build_steps(compile=True), temperature=0.0)
+    result = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0)
     assert result.rows[0] == eager and loops == [39] and result.forwards == 39
 
 
 def test_the_c_plus_plus_loop_stops_at_an_end_of_sequence_id_as_the_loop_in_python_does():
     model = load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16)
-    free = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0).rows[0]
-    eager = generate(model, [[1, 40, 41, 42]], 40, eos_ids=[free[2]], temperature=0.0)  # free[2] ends it
-    steps = gen.build_steps(compile=True)
-    looped = generate(model, [[1, 40, 41, 42]], 40, eos_ids=[free[2]], steps=steps, temperature=0.0)
-    assert looped.rows == eager.rows == [free[:2]]
+    eager = Backend(model, cpp=False)
+    free = generate(model, [[1, 40, 41, 42]], 40, temperature=0.0, backend=eager).rows[0]
+    want = generate(model, [[1, 40, 41, 42]], 40, eos_ids=[free[2]], temperature=0.0, backend=eager)  # free[2] ends it
+    looped = generate(model, [[1, 40, 41, 42]], 40, eos_ids=[free[2]], temperature=0.0)
+    assert looped.rows == want.rows == [free[:2]]
     assert looped.forwards == 2  # the steps to the end and no more
 
 
@@ -137,37 +139,41 @@ def test_the_c_plus_plus_loop_stops_at_a_nan_with_the_loop_s_error():
     # clean first token, as a model that goes wrong only later would
     out = torch.tensor([[5, 0, 0, 0]])
     with torch.inference_mode(), pytest.raises(ValueError, match="NaN or infinite by new token 2"):
-        gen.cpu_greedy_loop(model, out, 3, None, None, temperature=0.0)
+        filled = Backend(model).greedy_loop(out, 3, None, None)
+        gen.check_finite(out[:, :filled], filled - 1)
     assert out[0, 1].item() == gen.NOT_FINITE
 
 
-def test_batches_and_models_the_step_cannot_run_take_the_compiled_step():
+def test_batches_and_models_the_step_cannot_run_take_model_py_s_forward():
     model = tiny()
-    compiled = []
-    decode = gen.cpu_or(lambda *a, **kw: compiled.append(1) or gen.decode_one_token(*a, **kw))
-    with torch.inference_mode():  # each call a loop of its own, with its own input_pos
-        decode(model, torch.tensor([[3]]), torch.tensor([0]), None, 256, temperature=0)
-        assert compiled == []
+    forward, backend = [], Backend(model)
+    model_step = backend.step_last
+    backend.step_last = lambda *a: forward.append(1) or model_step(*a)
+    with torch.inference_mode():
+        backend.decode(torch.tensor([[3]]), torch.tensor([0]), None, 256)
+        assert forward == []
         model.setup_caches(2, 256)
-        decode(model, torch.tensor([[3], [4]]), torch.tensor([0]), None, 256, temperature=0)  # a batch
-        assert compiled == [1]
+        backend.decode(torch.tensor([[3], [4]]), torch.tensor([0]), None, 256)  # a batch
+        assert forward == [1]
         model.setup_caches(1, 256)
-        decode(model, torch.tensor([[3]]), torch.tensor([0]), torch.tensor([0]), 256, temperature=0)  # left padding
-        assert compiled == [1, 1]
+        backend.decode(torch.tensor([[3]]), torch.tensor([0]), torch.tensor([0]), 256)  # left padding
+        assert forward == [1, 1]
     assert cpu_step.step_for(load_model(DEFAULT_CHECKPOINT, "cpu", torch.float32)) is None  # float32
     assert cpu_step.step_for(load_model(DEFAULT_CHECKPOINT, "cpu", torch.bfloat16, "off")) is None  # torch's kernels
     model.layers[1].attention.wo.register_forward_hook(lambda *a: None)  # e.g. tensor parallelism's all-reduce
     assert cpu_step.step_for(model) is None
 
 
-def test_each_decode_loop_builds_its_step_so_a_new_cache_is_the_one_written():
+def test_the_backend_builds_its_step_again_for_a_new_cache_and_each_answer():
     model = tiny()
-    loop = torch.tensor([9])
-    first = cpu_step.step(model, loop)
-    assert cpu_step.step(model, loop) is first  # once a loop
+    backend = Backend(model)
+    first = backend.cpp()
+    assert backend.cpp() is first  # within an answer
     model.setup_caches(1, 128)
-    second = cpu_step.step(model, torch.tensor([9]))  # the next loop's input_pos
+    second = backend.cpp()  # a new cache
     assert second is not first
+    backend.begin()  # a new answer
+    assert backend.cpp() is not second
     with torch.inference_mode():
         second(torch.tensor([[3]]), torch.tensor([0]))
     assert model.layers[0].attention.kv_cache.k_cache[0, :, 0].ne(0).any()  # the new cache's first slot written
@@ -188,24 +194,22 @@ def test_the_greedy_pick_is_torch_argmax_first_of_equals_and_minus_one_for_a_nan
             for at in (7, V - 1):
                 damaged = logits.clone()
                 damaged[0, at] = bad
-                assert step.cpp.greedy(damaged) == gen.NOT_FINITE == gen.sample(damaged).item()
+                assert step.cpp.greedy(damaged) == gen.NOT_FINITE == pick(damaged, [Sampling(temperature=0)], [0])[0]
 
 
 def test_greedy_decoding_takes_the_step_s_pick_and_sampling_takes_its_logits():
     model = tiny()
-    decode = gen.cpu_or(lambda *a, **kw: pytest.fail("the compiled step ran"))
+    backend = Backend(model)
+    backend.step_last = lambda *a: pytest.fail("model.py's forward ran")
     with torch.inference_mode():
         step = cpu_step.step_for(model)
         want = step(torch.tensor([[3]]), torch.tensor([0])).argmax(-1)
         model.setup_caches(1, 256)
-        got = decode(model, torch.tensor([[3]]), torch.tensor([0]), None, 256, temperature=0)
+        got = backend.greedy(torch.tensor([[3]]), torch.tensor([0]), None, 256)
         assert torch.equal(got, want)
         model.setup_caches(1, 256)
-        torch.manual_seed(1)
-        drawn = decode(model, torch.tensor([[3]]), torch.tensor([0]), None, 256, temperature=2.0)
-        torch.manual_seed(1)
-        assert torch.equal(drawn, gen.sample(step_logits(model), temperature=2.0))
-        assert not torch.equal(drawn, want)  # a draw, not the argmax (this seed's)
+        logits = backend.decode(torch.tensor([[3]]), torch.tensor([0]), None, 256)
+        assert torch.equal(logits, step_logits(model))
 
 
 def step_logits(model: Transformer) -> torch.Tensor:  # the first step's logits after token 3, on a fresh cache
@@ -237,14 +241,13 @@ def test_the_step_s_check_leaves_the_cache_as_it_was():
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
 
 
-def test_a_changed_model_py_forward_takes_the_compiled_step_and_one_line_says_why(monkeypatch, capsys):
+def test_a_changed_model_py_forward_takes_model_py_s_forward_and_one_line_says_why(monkeypatch, capsys):
     # a fork that edits model.py's forward and not the C++ step: here every RMSNorm's output scaled
     norm = RMSNorm.forward
     monkeypatch.setattr(RMSNorm, "forward", lambda self, x: norm(self, x) * 1.5)
     model = tiny()
-    eager = generate(model, [[1, 40, 41, 42]], 12, temperature=0.0).rows[0]
-    steps = gen.build_steps(compile=True)
-    assert generate(model, [[1, 40, 41, 42]], 12, steps=steps, temperature=0.0).rows[0] == eager
-    assert cpu_step.step_for(model) is None
+    eager = generate(model, [[1, 40, 41, 42]], 12, temperature=0.0, backend=Backend(model, cpp=False)).rows[0]
+    assert generate(model, [[1, 40, 41, 42]], 12, temperature=0.0).rows[0] == eager
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("cpu_step")]
+    assert cpu_step.step_for(model) is None
     assert len(said) == 1 and said[0].startswith("cpu_step: the C++ step does not match model.py's forward (logits ")

@@ -140,11 +140,12 @@ def test_model_on_cuda_runs_the_kernels_bf16_and_int8_but_int4_on_torchs(tmp_pat
 def test_compiled_bf16_decoding_keeps_the_kernels_in_the_cuda_graph_and_matches_eager():
     from torch._dynamo.utils import counters
     from checkpoint import load_model
-    from generate import DEFAULT_CHECKPOINT, build_steps, generate
+    from backend import Backend
+    from generate import DEFAULT_CHECKPOINT, generate
     from tokenizer import Tokenizer
     model = load_model(DEFAULT_CHECKPOINT, "cuda", torch.bfloat16)
     prompt = [Tokenizer(DEFAULT_CHECKPOINT / "tokenizer.model").encode("def fibonacci(n):", bos=True)]
     eager = generate(model, prompt, 32, temperature=0.0).rows
     counters.clear()
-    assert generate(model, prompt, 32, steps=build_steps(compile=True), temperature=0.0).rows == eager
+    assert generate(model, prompt, 32, backend=Backend(model, compile=True), temperature=0.0).rows == eager
     assert counters["inductor"]["cudagraph_skips"] == 0  # the custom ops do not split the step's CUDA graph

@@ -7,7 +7,8 @@ import torch
 import cpu_gemv
 
 from engine import Engine, Request
-from generate import build_steps, generate
+from backend import Backend
+from generate import generate
 from model import ModelArgs, Transformer
 from test_batch_invariance import kernels  # noqa: F401 (a fixture: every kernel set this CPU runs)
 
@@ -23,18 +24,15 @@ def tiny(seed=0, **overrides) -> Transformer:
 
 
 def alone_lone_reference(model, prompt, n) -> list[int]:
-    """What the engine's C++ step must equal for a prompt alone: generate.py --compile's tokens where its prefill runs
-    in the step's pieces too (kernels with dpbf16); elsewhere it prefills through torch's GEMM, which rounds otherwise
-    in bf16, and the reference is the request alone in an engine (prefilled whole, nothing shared)."""
-    if "bf16" in cpu_gemv.kernels:
-        return alone(model, prompt, n, compiled=True)
-    return Engine(model, blocks=200, budget=1024).run([Request(prompt, max_new_tokens=n)])[0].out
+    """What the engine's C++ step must equal for a prompt alone: generate()'s tokens, whose prefill runs in the
+    step's pieces too, whatever the CPU's kernels."""
+    return alone(model, prompt, n, compiled=True)
 
 
 def alone(model, prompt, n, compiled: bool = False) -> list[int]:
-    """generate()'s greedy tokens for the prompt by itself (compiled: with the decode step generate.py --compile
-    takes, on the CPU kernels the C++ step)."""
-    return generate(model, [prompt], n, temperature=0, steps=build_steps(compiled)).rows[0]
+    """generate()'s greedy tokens for the prompt by itself (compiled: on the backend generate.py runs, on the CPU
+    kernels the C++ step; else model.py's forward)."""
+    return generate(model, [prompt], n, temperature=0, backend=Backend(model, cpp=compiled)).rows[0]
 
 
 def prompts(seed: int, count: int, lo: int = 1, hi: int = 80) -> list[list[int]]:
@@ -168,25 +166,24 @@ def test_sampled_requests_with_a_seed_are_reproducible_whatever_shares_their_bat
 
 @pytest.mark.parametrize("options", [dict(temperature=0.7), dict(temperature=1.0, top_k=4),
                                      dict(temperature=1.0, top_p=0.6), dict(temperature=1.3, top_k=6, top_p=0.5)])
-def test_the_engines_draws_follow_the_distribution_generate_py_samples_from(options):
-    from engine import sample_rows
-    from generate import logits_to_probs
+def test_the_draws_follow_the_filtered_distribution(options):
+    from conftest import reference_probs
+    from sampling import Sampling, pick
     logits = torch.tensor([[2.0, 1.5, 1.4, 0.3, -0.2, 0.9, -1.0, 0.0, 1.1, -3.0, 0.5, 0.2]])  # [1, V]
-    want = logits_to_probs(logits, options["temperature"], options.get("top_k"), options.get("top_p", 1.0))[0]
-    rows = [Request([1], **options, seed=i) for i in range(6000)]
-    for r in rows:
-        r.generator = torch.Generator().manual_seed(r.seed)
-    seen = torch.bincount(torch.tensor(sample_rows(logits.expand(len(rows), -1), rows)), minlength=12) / len(rows)
+    want = reference_probs(logits, options["temperature"], options.get("top_k"), options.get("top_p", 1.0))[0]
+    rows = [Sampling(**{"top_k": None, **options}, seed=i) for i in range(6000)]
+    drawn = pick(logits.expand(len(rows), -1), rows, [r.uniforms(1)[0] for r in rows])
+    seen = torch.bincount(torch.tensor(drawn), minlength=12) / len(rows)
     assert seen[want == 0].sum() == 0  # nothing outside the top_k and the nucleus
     assert (seen - want).abs().max() < 0.025  # 6,000 draws: a frequency's spread is about 0.006
 
 
 def test_a_draw_never_lands_on_a_token_of_probability_zero_at_either_end_or_between():
-    from engine import draw
-    g = torch.Generator().manual_seed(0)
+    from sampling import draw
     p = torch.tensor([0.0, 0.0, 0.25, 0.0, 0.75, 0.0, 0.0])
-    seen = torch.bincount(torch.tensor([draw(p, g) for _ in range(4000)]), minlength=7)
-    assert set(seen.nonzero().flatten().tolist()) == {2, 4} and abs(seen[2] / 4000 - 0.25) < 0.03
+    ends = [draw(p, 1.0, u) for u in (0.0, 1 - 2**-52)]  # the largest and smallest 1 - u
+    seen = torch.bincount(torch.tensor([draw(p, 1.0, u) for u in torch.rand(4000).tolist()] + ends), minlength=7)
+    assert set(seen.nonzero().flatten().tolist()) == {2, 4} and abs(seen[2] / 4002 - 0.25) < 0.03
 
 
 def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expected):
@@ -200,7 +197,7 @@ def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expec
 
 # bfloat16 on the CPU kernels: the engine's rows run the C++ step (cpu_step.py) over the pool, decoding rows together
 # and prompts in pieces (Step.piece positions), whose products and attention do not depend on the rows beside them
-# (test_batch_invariance.py); with dpbf16 the lone compiled run (generate.py --compile) prefills in such pieces too.
+# (test_batch_invariance.py); a lone run (generate.py) prefills in such pieces too.
 # So each request's output is the lone one's token for token, however its prompt was cut, shared or recomputed.
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights):

@@ -4,7 +4,8 @@ import torch
 
 import generate as gen
 from checkpoint import load_model
-from generate import generate, sample, weight_bytes
+from backend import Backend
+from generate import generate, weight_bytes
 from model import ModelArgs, Transformer
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -72,40 +73,47 @@ def test_prompt_plus_max_new_tokens_beyond_the_model_maximum_is_refused(model32)
         generate(model32, [[1] * 200], model32.args.block_size - 199, temperature=0.0)
 
 
+def draws(logits, n: int, **options) -> torch.Tensor:  # n tokens drawn from logits [V] by sampling.pick
+    from sampling import Sampling, pick
+    return torch.tensor(pick(logits.repeat(n, 1), [Sampling(**options)] * n, torch.rand(n).tolist()))
+
+
 def test_temperature_zero_is_an_exact_argmax():
+    from sampling import Sampling, pick
     logits = torch.randn(4, 1000)
-    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+    assert pick(logits, [Sampling(temperature=0.0)] * 4, [0.5] * 4) == logits.argmax(-1).tolist()
 
 
 def test_sampling_draws_from_the_softmax_distribution():
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
-    draws = sample(logits.repeat(40000, 1), temperature=1.0)
-    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    drawn = draws(logits, 40000, temperature=1.0, top_k=None)
+    freq = torch.bincount(drawn, minlength=4).float() / drawn.numel()
     torch.testing.assert_close(freq, logits.softmax(-1), atol=0.01, rtol=0)
 
 
 def test_top_k_samples_only_among_the_k_most_likely():
     torch.manual_seed(0)
-    logits = torch.randn(1, 50)
-    draws = sample(logits.repeat(5000, 1), temperature=1.5, top_k=3)
-    assert set(draws.tolist()) == set(logits[0].topk(3).indices.tolist())
+    logits = torch.randn(50)
+    assert set(draws(logits, 5000, temperature=1.5, top_k=3).tolist()) == set(logits.topk(3).indices.tolist())
 
 
 @pytest.mark.parametrize("top_p, kept", [(0.75, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
 def test_top_p_keeps_the_smallest_set_that_reaches_p(top_p, kept):
     torch.manual_seed(0)
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
-    draws = sample(logits.repeat(20000, 1), temperature=1.0, top_p=top_p)
-    assert set(draws.tolist()) == kept
+    assert set(draws(logits, 20000, temperature=1.0, top_k=None, top_p=top_p).tolist()) == kept
 
 
 def test_same_seed_same_samples_other_seed_other_samples(model32):
-    def run(seed):
-        torch.manual_seed(seed)
-        return generate(model32, PROMPTS, 20, temperature=1.0, top_k=50).rows
+    run = lambda seed: generate(model32, PROMPTS, 20, temperature=1.0, top_k=50, seed=seed).rows  # noqa: E731
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_a_seeded_row_samples_the_same_alone_and_in_a_batch(model32):
+    alone = generate(model32, PROMPTS[:1], 20, temperature=1.0, top_k=50, seed=7).rows[0]
+    assert generate(model32, PROMPTS, 20, temperature=1.0, top_k=50, seeds=[7, 8, 9][: len(PROMPTS)]).rows[0] == alone
 
 
 def test_weight_bytes_counts_every_weight_but_the_untied_embedding_table(model32):
@@ -148,7 +156,8 @@ def test_compiled_decoding_compiles_once_across_cache_length_buckets():
     eager = generate(model, prompt, 300, temperature=0.0).rows  # reads 256, then 512, then 1024 cache slots
     torch._dynamo.reset()
     counters.clear()
-    assert generate(model, prompt, 300, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
+    compiled = Backend(model, compile=True)
+    assert generate(model, prompt, 300, backend=compiled, temperature=0.0).rows == eager
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -159,8 +168,8 @@ def test_compiled_decoding_on_cuda_replays_cuda_graphs_and_matches_eager(checkpo
     eager = generate(model, PROMPTS, 40, temperature=0.0).rows
     torch._dynamo.reset()
     counters.clear()
-    assert generate(model, PROMPTS, 40, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
-    assert counters["inductor"]["cudagraph_skips"] == 0  # the whole step, sampling too, is one CUDA graph
+    assert generate(model, PROMPTS, 40, backend=Backend(model, compile=True), temperature=0.0).rows == eager
+    assert counters["inductor"]["cudagraph_skips"] == 0  # the whole step is one CUDA graph
     assert counters["inductor"]["cudagraph_recorded_non_static_inputs"] > 0  # graphs were recorded
 
 
@@ -169,20 +178,19 @@ def test_a_cpu_model_on_a_gpu_machine_compiles_for_the_cpu(model32):
     from torch._dynamo.utils import counters
     eager = generate(model32, PROMPTS, 12, temperature=0.0).rows
     counters.clear()
-    assert generate(model32, PROMPTS, 12, steps=gen.build_steps(compile=True), temperature=0.0).rows == eager
+    assert generate(model32, PROMPTS, 12, backend=Backend(model32, compile=True), temperature=0.0).rows == eager
     assert counters["inductor"]["cudagraph_skips"] == 0  # "reduce-overhead" would have tried, and skipped the CPU
 
 
 @cuda
-def test_sampling_inside_the_cuda_graph_follows_the_seed(checkpoint):
+def test_seeded_sampling_on_cuda_follows_the_seed(checkpoint):
     from torch._dynamo.utils import counters
     model = load_model(checkpoint, "cuda", torch.float32)
-    steps = gen.build_steps(compile=True)
+    backend = Backend(model, compile=True)
     counters.clear()
 
     def run(seed):
-        torch.manual_seed(seed)
-        return generate(model, PROMPTS, 30, steps=steps, temperature=1.0, top_k=50).rows
+        return generate(model, PROMPTS, 30, backend=backend, temperature=1.0, top_k=50, seed=seed).rows
     assert run(1) == run(1)
     assert run(1) != run(2)
     assert counters["inductor"]["cudagraph_skips"] == 0
@@ -222,15 +230,15 @@ def test_importing_generate_changes_no_torch_setting_and_loads_no_kernel_module(
 
 def test_asking_for_compiled_steps_sets_the_compilers_options_before_the_first_compilation():
     import torch._dynamo.config as config
-    gen.build_steps(compile=True)  # torch.compile is lazy: the options are read at the first call, after this
+    Backend(model=None, compile=True)  # torch.compile is lazy: the options are read at the first call, after this
     assert config.specialize_float and config.use_recursive_dict_tags_for_guards
 
 
 def test_a_compiled_step_takes_python_floats_as_constants():
     """compile_step sets dynamo's options when it is called, and the lazy compilation still reads them: a float
     argument (an eps, a temperature) is a constant in the graph, so a new value compiles the step again."""
-    code = ("import torch, generate; from torch._dynamo.utils import counters; "
-            "step = generate.compile_step(lambda x, temperature: x * temperature); "
+    code = ("import torch, backend; from torch._dynamo.utils import counters; "
+            "step = backend.compile_step(lambda x, temperature: x * temperature); "
             "[step(torch.ones(4), temperature=t) for t in (0.5, 0.5, 0.7)]; "
             "print(counters['stats']['unique_graphs'])")
     r = python(code)

@@ -13,7 +13,9 @@ import torch
 import guided
 from checkpoint import load_model, load_tokenizer, read_config
 from conftest import errors_of, needs_smollm2
-from generate import build_steps, generate, pick
+from backend import Backend
+from generate import allowed as allowed_tokens, generate
+from sampling import Sampling, pick
 from launcher import command
 from speculative import speculative_generate
 
@@ -186,12 +188,13 @@ def test_masked_sampling_draws_only_allowed_tokens_in_the_models_proportions():
     bits = torch.zeros(1, (V + 31) // 32, dtype=torch.int32)
     for t in allowed.nonzero()[:, 0].tolist():
         bits[0, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)  # bit 31 wraps to the sign, as in int32
-    draws = pick(logits.expand(N, V), bits.expand(N, -1), temperature=1.0)
+    draws = torch.tensor(pick(logits.expand(N, V), [Sampling(temperature=1.0, top_k=None)] * N, torch.rand(N).tolist(),
+                              allowed_tokens(bits.expand(N, -1), V)))
     freq = torch.bincount(draws, minlength=V).float() / N
     expected = torch.where(allowed, logits[0], -float("inf")).softmax(-1)
     assert freq[~allowed].sum() == 0
     assert (freq - expected).abs().max() < 0.015
-    assert pick(logits, bits, temperature=0).item() == expected.argmax().item()
+    assert pick(logits, [Sampling(temperature=0)], [0.0], allowed_tokens(bits, V))[0] == expected.argmax().item()
 
 
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "draft"])
@@ -224,15 +227,15 @@ def test_speculative_guided_sampling_keeps_to_the_grammar(builtin_f32):
 
 def test_compiled_guided_decoding_matches_eager_and_compiles_once(builtin_f32):
     model, _, tok = builtin_f32
-    steps = build_steps(compile=True)
+    steps = Backend(model, compile=True)
     model.setup_caches(1, 256)  # large enough for every call below: a new cache would be a new graph input
     g = guide(model, tok, schema_grammars([PERSON]))  # batch 1: the steps see one token and several (fast-forward)
     eager = generate(model, [tok.encode("person = ")], 100, tok.eos_ids, guide=g, temperature=0)
-    compiled = generate(model, [tok.encode("person = ")], 100, tok.eos_ids, guide=g, steps=steps, temperature=0)
+    compiled = generate(model, [tok.encode("person = ")], 100, tok.eos_ids, guide=g, backend=steps, temperature=0)
     assert compiled.rows == eager.rows and compiled.forced > 0
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     other = guide(model, tok, schema_grammars(SCHEMAS[1:2]))
-    again = generate(model, [tok.encode("data = ")], 100, tok.eos_ids, guide=other, steps=steps, temperature=0)
+    again = generate(model, [tok.encode("data = ")], 100, tok.eos_ids, guide=other, backend=steps, temperature=0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # new prompt, schema, masks: no compile
     assert_valid(tok, again.rows, SCHEMAS[1:2])
 

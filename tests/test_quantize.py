@@ -187,7 +187,8 @@ def test_checkpoint_quantized_on_cpu_runs_on_cuda(quantized, mode):
 def test_quantized_decode_step_on_cuda_compiled_matches_eager(quantized, mode):
     """Teacher-forced: both see the same tokens, so one flipped near tie (bf16 fused in another order) cannot make
     the rest of the comparison diverge."""
-    from generate import build_steps, decode_logits, generate
+    from backend import Backend, last_logits
+    from generate import generate
     model = load_model(quantized[mode], "cuda", torch.bfloat16)
     prompt = [1, 99, 7, 8, 9, 10, 11, 12, 13]
     tokens = generate(model, [prompt], 16, temperature=0.0).rows[0]
@@ -199,7 +200,7 @@ def test_quantized_decode_step_on_cuda_compiled_matches_eager(quantized, mode):
         return torch.cat([step(model, torch.tensor([[t]], device="cuda"), torch.tensor([len(prompt) + i],
                                                                                       device="cuda"), None, 64).float()
                           for i, t in enumerate(tokens)])
-    eager, compiled = logits(decode_logits), logits(build_steps(compile=True).logits)
+    eager, compiled = logits(last_logits), logits(Backend(model, compile=True).step_last)
     # eager rounds int8's product to bf16 before the scale, compiled sums in float32 (an H200: 1.08e-2 apart)
     assert rel_err(compiled, eager) < 2e-2
     assert (compiled.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9

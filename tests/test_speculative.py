@@ -4,14 +4,14 @@ import json
 import pytest
 import torch
 
-import generate as gen
 import speculative
-from conftest import convert, errors_of, save_hf_llama
+from backend import Backend
+from conftest import convert, errors_of, reference_probs, save_hf_llama
 from checkpoint import load_model
-from generate import generate, logits_to_probs
+from generate import generate
 from launcher import command
 from model import ModelArgs, Transformer
-from speculative import accept, prompt_lookup, speculative_generate
+from speculative import prompt_lookup, speculative_generate
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -26,16 +26,16 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
 
 
-def test_accept_rule_emits_the_target_distribution():
-    torch.manual_seed(0)
-    V, k, trials = 6, 3, 20000
-    p, q = torch.rand(k + 1, V).softmax(-1), (torch.rand(k, V) * 3).softmax(-1)
-    counts = torch.zeros(V)
-    for _ in range(trials):
-        proposed = torch.stack([torch.multinomial(q[i], 1)[0] for i in range(k)])
-        n, nxt = accept(p, q, proposed)
-        counts[proposed[0] if n > 0 else nxt[0]] += 1  # the first token emitted
-    assert chi_square_p_value(counts, p[0]) > 1e-3
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
+def test_seeded_speculation_writes_plain_decodings_tokens(pair, sampling):
+    """A guess is kept only where it is the token plain decoding draws there with the same uniform: with a seed,
+    a draft model's chain, adaptive or not, and prompt lookup write what plain sampling writes, token for token."""
+    target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
+    prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22]
+    for seed in (3, 4, 5):
+        plain = generate(target, [prompt], 24, seed=seed, **sampling).rows[0]
+        for how in (dict(draft=draft), dict(draft=draft, adaptive=True), dict(ngram=2)):
+            assert speculative_generate(target, prompt, 24, 3, seed=seed, **how, **sampling).rows[0] == plain
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_match():
@@ -116,8 +116,8 @@ def test_sampled_speculation_has_the_target_distribution(sampling):
     prompt = [1, 2, 3]
     dist = {k: v for k, v in sampling.items() if k != "adaptive"}
     with torch.no_grad():
-        first = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **dist)[0]  # [V]
-        seconds = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **dist)
+        first = reference_probs(target(torch.tensor([prompt]))[:, -1], **dist)[0]  # [V]
+        seconds = reference_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **dist)
     joint = (first[:, None] * seconds).flatten()  # [V * V]
     counts = torch.zeros(64)
     for _ in range(3000):
@@ -130,13 +130,12 @@ def test_sampled_speculation_has_the_target_distribution(sampling):
 def test_compiled_speculation_does_not_recompile_between_steps(pair, adaptive):
     from torch._dynamo.utils import counters
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
-    steps = gen.Steps(draft=torch.compile(speculative.draft_step, fullgraph=True),
-                              verify=torch.compile(speculative.verify, fullgraph=True, dynamic=True))
+    backends = dict(backend=Backend(target, compile=True), draft_backend=Backend(draft, compile=True))
     torch._dynamo.reset()
     counters.clear()  # other tests compile too
     expected = greedy(target, [1, 2, 3], 30)
-    run = lambda: speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive, steps=steps,  # noqa: E731
-                                       temperature=0).rows[0]
+    run = lambda: speculative_generate(target, [1, 2, 3], 30, 3, draft=draft, adaptive=adaptive,  # noqa: E731
+                                       temperature=0, **backends).rows[0]
     out = run()
     frames = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -4,14 +4,15 @@ import random
 import pytest
 import torch
 
-import generate as gen
 import trees
+from backend import Backend
 from checkpoint import load_model
-from conftest import convert, save_hf_llama
-from generate import generate, logits_to_probs
+from conftest import convert, reference_probs, save_hf_llama
+from generate import generate
 from model import ModelArgs, Transformer
+from sampling import Sampling
 from test_speculative import chi_square_p_value
-from trees import DraftTree, Sizer, Suffix, Tree, compact, forward_nodes, tree_generate, tree_probs, walk
+from trees import DraftTree, Sizer, Suffix, Tree, compact, forward_nodes, tree_generate, walk
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +69,9 @@ def test_a_tree_node_sees_only_its_ancestors():
     d = tree.add(b, 1, 0.5)
     with torch.no_grad():
         model(torch.tensor([prompt]), torch.arange(3))
-        p = forward_nodes(model, tree_probs, tree, 3, range(5), torch.arange(32), temperature=1.0)
+        p = forward_nodes(Backend(model), tree, 3, range(5), torch.arange(32)).softmax(-1)
         for node, path in ((c, [4, 5, 7]), (d, [4, 6, 1]), (b, [4, 6])):
-            alone = logits_to_probs(tiny()(torch.tensor([prompt + path]))[:, -1], temperature=1.0)[0]
+            alone = reference_probs(tiny()(torch.tensor([prompt + path]))[:, -1], temperature=1.0)[0]
             torch.testing.assert_close(p[node], alone, atol=1e-5, rtol=1e-4)
 
 
@@ -97,7 +98,7 @@ def test_greedy_walk_follows_the_targets_argmax_and_ends_with_its_next_token():
     c = tree.add(b, 3, 0.5)
     p = torch.zeros(4, 5)
     p[0, 2] = p[b, 3] = p[c, 4] = p[a, 0] = 1.0
-    assert walk(tree, p, greedy=True) == ([0, b, c], 4)
+    assert walk(tree, p, Sampling(temperature=0), [0.5] * 4) == ([0, b, c], 4)
 
 
 def test_suffix_proposes_the_most_frequent_continuation_first():
@@ -134,7 +135,7 @@ def test_greedy_suffix_decoding_is_identical_to_plain_greedy(pair):  # compiled:
 def test_greedy_lookahead_decoding_is_identical_to_plain_greedy(pair, compiled):
     target = load_model(pair[0], "cpu", torch.float32)
     prompt = [1, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24, 20, 21]
-    out = tree_generate(target, prompt, 40, trees.Lookahead(), 16, steps=gen.build_steps(compile=compiled),
+    out = tree_generate(target, prompt, 40, trees.Lookahead(), 16, backend=Backend(target, compile=compiled),
                         temperature=0)
     assert out.rows[0] == greedy(target, prompt, 40)
 
@@ -162,10 +163,9 @@ def test_lookahead_takes_the_targets_answers_as_its_next_guesses_and_pools_their
 @pytest.mark.parametrize("compiled, staged", [(False, False), (False, True), (True, True)])
 def test_greedy_draft_tree_is_identical_to_plain_greedy(pair, compiled, staged):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
-    steps = gen.build_steps(compile=compiled)
     prompt = [1, 17, 42, 99, 7, 17, 42, 99]
-    proposer = DraftTree(draft, steps.draft_tree, staged=Suffix() if staged else None)
-    out = tree_generate(target, prompt, 40, proposer, 16, steps=steps, temperature=0)
+    proposer = DraftTree(Backend(draft, compile=compiled), staged=Suffix() if staged else None)
+    out = tree_generate(target, prompt, 40, proposer, 16, backend=Backend(target, compile=compiled), temperature=0)
     assert out.rows[0] == greedy(target, prompt, 40)
     assert sum(out.accept_histogram) == out.forwards and sum(out.tree_sizes.values()) == out.forwards
 
@@ -203,8 +203,10 @@ def test_a_staged_draft_grows_text_seen_before_in_fewer_passes(pair):
         calls = []
         sizer = Sizer(cost={16: 1.0})
         sizer.worth = lambda gain, seconds: True  # every level, whatever it costs
-        step = lambda *a, **k: calls.append(1) or trees.draft_probs(*a, **k)  # noqa: E731
-        proposer = DraftTree(same, step, top_k=2, width=1, depth=6, staged=staged)
+        counted = Backend(same)
+        verify = counted.verify
+        counted.verify = lambda *a, **k: calls.append(1) or verify(*a, **k)  # noqa: E731 (the draft's passes)
+        proposer = DraftTree(counted, top_k=2, width=1, depth=6, staged=staged)
         assert tree_generate(target, prompt, 30, proposer, 16, sizer=sizer, temperature=0).rows[0] == answer
         passes[staged is not None] = len(calls)
     assert passes[True] < passes[False] * 0.7, passes
@@ -216,7 +218,7 @@ def test_a_draft_tree_from_the_target_itself_is_accepted_to_its_full_depth(pair)
     target, same = load_model(pair[0], "cpu", torch.float32), load_model(pair[0], "cpu", torch.float32)
     sizer = Sizer(cost={16: 1.0})
     sizer.worth = lambda gain, seconds: True  # every level, whatever it costs
-    out = tree_generate(target, [1, 5, 9], 30, DraftTree(same, top_k=2, width=1, depth=4), 16, sizer=sizer,
+    out = tree_generate(target, [1, 5, 9], 30, DraftTree(Backend(same), top_k=2, width=1, depth=4), 16, sizer=sizer,
                         temperature=0)
     assert out.rows[0] == greedy(target, [1, 5, 9], 30)
     assert out.accept_histogram == [0, 0, 0, 0, out.forwards]
@@ -225,7 +227,7 @@ def test_a_draft_tree_from_the_target_itself_is_accepted_to_its_full_depth(pair)
 def test_a_draft_that_does_not_pay_sits_out_rounds_and_catches_up_after(pair):
     target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
     sizer = Sizer(cost={1: 1.0, 2: 50.0})  # verifying a guess costs 50 plain steps: it never pays
-    out = tree_generate(target, [1, 17, 42, 99, 7], 40, DraftTree(draft), 16, sizer=sizer, temperature=0)
+    out = tree_generate(target, [1, 17, 42, 99, 7], 40, DraftTree(Backend(draft)), 16, sizer=sizer, temperature=0)
     assert out.rows[0] == greedy(target, [1, 17, 42, 99, 7], 40)
     grown = sum(c for n, c in out.tree_sizes.items() if n > 1)
     assert out.tree_sizes[1] >= 5 * grown > 0
@@ -244,9 +246,9 @@ def test_kv_compaction_keeps_200_tokens_after_partial_acceptances_identical(pair
 @torch.no_grad()
 def exact_joint(target, prompt: list[int], sampling: dict) -> torch.Tensor:  # -> [V * V]
     """The target's exact joint distribution of the second and third tokens sampled after prompt (vocabulary 8)."""
-    p1 = logits_to_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
-    p2 = logits_to_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)  # [V, V]
-    p3 = logits_to_probs(target(torch.tensor([prompt + [x, y] for x in range(8) for y in range(8)]))[:, -1],
+    p1 = reference_probs(target(torch.tensor([prompt]))[:, -1], **sampling)[0]  # [V]
+    p2 = reference_probs(target(torch.tensor([prompt + [x] for x in range(8)]))[:, -1], **sampling)  # [V, V]
+    p3 = reference_probs(target(torch.tensor([prompt + [x, y] for x in range(8) for y in range(8)]))[:, -1],
                          **sampling).view(8, 8, 8)
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0).flatten()
 
@@ -277,6 +279,17 @@ def test_sampled_tree_speculation_has_the_target_distribution(sampling):
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
+def test_seeded_tree_speculation_writes_plain_decodings_tokens(pair):
+    """Every node's token is drawn as plain decoding draws it at that depth, so with a seed a tree, whatever its
+    proposer, writes what plain sampling writes."""
+    target, draft = (load_model(c, "cpu", torch.float32) for c in pair)
+    prompt, sampling = [1, 20, 21, 22, 23, 24, 20, 21, 22], dict(temperature=0.9, top_k=20, top_p=0.95)
+    for seed in (1, 2):
+        plain = generate(target, [prompt], 24, seed=seed, **sampling).rows[0]
+        for proposer in (Suffix(), trees.Lookahead(), DraftTree(Backend(draft))):
+            assert tree_generate(target, prompt, 24, proposer, 16, seed=seed, **sampling).rows[0] == plain
+
+
 def test_sizer_picks_a_big_tree_when_verifying_is_cheap_and_a_small_one_when_not():
     tree = Tree([0])
     for i in range(15):
@@ -289,14 +302,14 @@ def test_sizer_picks_a_big_tree_when_verifying_is_cheap_and_a_small_one_when_not
 def test_compiled_tree_verification_does_not_recompile_between_rounds(pair):
     from torch._dynamo.utils import counters
     target = load_model(pair[0], "cpu", torch.float32)
-    steps = gen.Steps(tree=torch.compile(tree_probs, fullgraph=True, dynamic=True))
+    backend = Backend(target, compile=True)
     prompt = [1, 20, 21, 22, 20, 21, 22, 20]
     torch._dynamo.reset()
     counters.clear()
-    out = tree_generate(target, prompt, 20, Suffix(), 16, steps=steps, temperature=0).rows[0]
+    out = tree_generate(target, prompt, 20, Suffix(), 16, backend=backend, temperature=0).rows[0]
     frames = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        out2 = tree_generate(target, prompt, 20, Suffix(), 16, steps=steps, temperature=0).rows[0]
+        out2 = tree_generate(target, prompt, 20, Suffix(), 16, backend=backend, temperature=0).rows[0]
     assert out == out2 == greedy(target, prompt, 20) and len(out) == 20
     assert counters["stats"]["unique_graphs"] == frames
 

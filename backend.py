@@ -1,0 +1,152 @@
+"""Which implementation runs a model's forward passes, chosen once, in one place, for every decoding loop.
+
+A Backend has the same few methods whatever runs underneath: prefill (a prompt), decode (each row's next tokens),
+verify (a speculative pass over a few positions, a token tree's mask and positions included), greedy (decode's
+argmax) and greedy_loop (a whole greedy answer in one call, where it can). Each returns logits; the loops draw
+their tokens from those with sampling.pick, one rule for all.
+
+Underneath, in this order:
+- on a CPU with the kernels of cpu_gemv.py, a batch of one runs on the C++ step of cpu_step.py: decoding as one C++
+  call a token, verify passes as its rows, prompts as its rows a piece at a time. Its kernels compute each position
+  as alone, so an answer is the same however its prompt is cut into passes, and the same as the engine's;
+- everything else (batches, left padding, GPUs, torch's own kernels) runs model.py's forward, compiled by
+  torch.compile where asked: CUDA graphs on a GPU, inductor's C++ wrapper on a CPU."""
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from sampling import NOT_FINITE
+
+MAX_ROWS = 32  # cpu_gemv.MAX_ROWS: the most positions of a pass its kernels take as separate rows
+
+
+def last_logits(model, idx, input_pos, left_pad, kv_len):  # idx [B, S], input_pos [S] -> [B, V]
+    return model(idx, input_pos, left_pad, kv_len, last=True)[:, -1]
+
+
+def all_logits(model, idx, input_pos, kv_len, mask, pos):  # idx [1, S] -> [S, V]
+    return model(idx, input_pos, None, kv_len, mask=mask, pos=pos)[0]
+
+
+def compile_step(step: Callable) -> Callable:
+    """Compile a step whole: CUDA graphs on a GPU, inductor's C++ wrapper on a CPU, each option cutting the fixed
+    cost a CPU step pays (HOW_IT_WORKS.md, "The compiled step on a CPU"). dynamic: one compilation serves every
+    cache length and verify length."""
+    # fewer guards to check per step (an unchanged module passes in one check), floats such as eps as constants
+    torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # set where compilation is asked for, not on
+    torch._dynamo.config.specialize_float = True  # import: lazy compilation reads them at the first call
+    on_cpu = torch.compile(step, fullgraph=True, dynamic=True, options={
+        "cpp_wrapper": True, "cpp_wrapper_build_separate": True,  # no Python per step; kernels and wrapper build apart
+        "size_asserts": False, "alignment_asserts": False,  # no per-tensor checks every step
+        "cpp.min_chunk_size": 16384})  # a batch-1 step's norms and RoPE on one thread: too small to split
+    if not torch.cuda.is_available():
+        return on_cpu
+    # tunes the reductions inductor writes itself: the norms, and any batch-1 matmul not on cuda_gemv.py's kernels
+    torch._inductor.config.coordinate_descent_tuning = True
+    on_gpu = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=True)
+
+    def run(*args, **kwargs):  # a model on the CPU of a GPU machine keeps the CPU's options
+        x = next(a for a in args if isinstance(a, torch.Tensor))
+        return (on_gpu if x.is_cuda else on_cpu)(*args, **kwargs)
+    return run
+
+
+class Backend:
+    """model's forward passes, on the fastest exact implementation here (see the module's text). compile: the
+    passes model.py runs go through torch.compile (the first call compiles); compile_prefill: prompts too, with
+    dynamic shapes. cpp=False: never the C++ step (model.py's forward alone, a reference)."""
+
+    def __init__(self, model, compile: bool = False, compile_prefill: bool = False, cpp: bool = True):
+        self.model, self.compiled, self.use_cpp = model, compile, cpp
+        self.last = torch.compile(last_logits, dynamic=True, fullgraph=True) if compile_prefill else last_logits
+        self.rows = compile_step(all_logits) if compile else all_logits
+        self.step_last = compile_step(last_logits) if compile else last_logits  # decode's, apart from prefill's
+        self.held, self.agreed = (None, None), False  # (the cache the C++ step was built over, the step or None)
+
+    def begin(self):
+        """A new answer: the C++ step is built again at its first pass, for the model as it is now (a loop may
+        follow a change of weights or layers; within one nothing changes). About a millisecond."""
+        self.held = (None, None)
+
+    def cpp(self):  # -> Optional[cpu_step.Step]
+        """The C++ step over the model's cache as it is now (setup_caches makes a new one), or None where it
+        cannot run this model exactly; checked against model.py's forward the first time (cpu_step.agrees)."""
+        m = self.model
+        cache = m.layers[0].attention.kv_cache.k_cache if len(m.layers) and m.layers[0].attention.kv_cache else None
+        if self.held[0] is not cache:
+            import cpu_step  # here: a model that never runs on a CPU needs no kernel module
+            step = cpu_step.step_for(m, verify=not self.agreed) if cache is not None and cache.device.type == "cpu" \
+                else None
+            self.held, self.agreed = (cache, step), self.agreed or step is not None
+        return self.held[1]
+
+    def describe(self) -> str:
+        """Which implementation runs a batch of one, and why, in one line."""
+        if self.cpp() is not None:
+            return "the C++ step (cpu_step.py) for a batch of one; model.py's forward for batches"
+        why = "torch.compile" if self.compiled else "eager"
+        if self.model.norm.weight.device.type == "cpu" and self.use_cpp:
+            return f"model.py's forward ({why}; the C++ step runs bfloat16 weights on the CPU kernels)"
+        return f"model.py's forward ({why})"
+
+    def alone(self, idx: Tensor, left_pad):  # -> the C++ step (cpu_step.Step) where it runs this pass, or None
+        if idx.size(0) != 1 or left_pad is not None or idx.device.type != "cpu" or not self.use_cpp:
+            return None
+        return self.cpp()
+
+    def prefill(self, idx: Tensor, input_pos: Tensor, left_pad=None, kv_len: Optional[int] = None) -> Tensor:
+        """The logits [B, V] after a prompt (or its uncached part) idx [B, S] at cache slots input_pos [S], each row
+        left-padded by left_pad [B] (or None)."""
+        step = self.alone(idx, left_pad)
+        if step is None or self.model.args.sliding_window:
+            return self.last(self.model, idx, input_pos, left_pad, kv_len)
+        S, base = idx.size(1), int(input_pos[0])
+        for i in range(0, S, step.piece):  # positions at a time: each computed as alone, however the prompt is cut
+            piece = idx[0, i : i + step.piece]
+            M, at = piece.numel(), base + i
+            logits = step.rows(piece, torch.arange(at, at + M), at, causal(M, at), last=True)  # [1, V]
+        return logits
+
+    def decode(self, cur: Tensor, input_pos: Tensor, left_pad=None, kv_len: Optional[int] = None) -> Tensor:
+        """The logits [B, V] after each row's next tokens cur [B, S] at slots input_pos [S] (S > 1: tokens a grammar
+        forces, fed with the sampled one). At batch 1 on the C++ step, the step's own buffer: read it before the
+        next pass."""
+        step = self.alone(cur, left_pad)
+        if step is None:
+            return self.step_last(self.model, cur, input_pos, left_pad, kv_len)
+        if cur.size(1) == 1:
+            return step(cur, input_pos)
+        return self.verify(cur, input_pos, kv_len)[-1:]
+
+    def greedy(self, cur: Tensor, input_pos: Tensor, left_pad=None, kv_len: Optional[int] = None) -> Tensor:
+        """decode's argmax [B] (NOT_FINITE where a row's logits are not), the C++ step's in C++ where it runs."""
+        step = self.alone(cur, left_pad)
+        if step is not None and cur.size(1) == 1:
+            return torch.tensor([step.greedy(cur, input_pos)])
+        logits = self.decode(cur, input_pos, left_pad, kv_len)
+        return torch.where(torch.isfinite(logits.sum(-1)), logits.argmax(-1), NOT_FINITE)
+
+    def verify(self, tokens: Tensor, input_pos: Tensor, kv_len: Optional[int] = None, mask: Optional[Tensor] = None,
+               pos: Optional[Tensor] = None) -> Tensor:
+        """The logits [S, V] after each of tokens [1, S], written at slots input_pos [S]: a chain in order, or a
+        token tree with mask [S, kv_len] (the slots each sees) and pos [S] (its RoPE positions)."""
+        step = self.alone(tokens, None)
+        if step is None or tokens.size(1) > MAX_ROWS or self.model.args.sliding_window:
+            return self.rows(self.model, tokens, input_pos, kv_len, mask, pos)
+        S, base = tokens.size(1), int(input_pos[0])
+        mask = causal(S, base) if mask is None else mask[:, : base + S]
+        return step.rows(tokens[0], input_pos if pos is None else pos, base, mask)
+
+    def greedy_loop(self, out: Tensor, pos: int, left_pad, eos: Optional[Tensor]) -> Optional[int]:  # out [B, N]
+        """Greedy decoding into out[:, 1:] (out[:, 0] holds prefill's token, at slot pos) as one C++ call: the
+        columns filled, or None where the C++ step does not run (or the answer ended at once)."""
+        step = self.alone(out, left_pad)
+        first = int(out[0, 0]) if step is not None else NOT_FINITE
+        if step is None or first == NOT_FINITE or (eos is not None and first in eos.tolist()):
+            return None
+        return 1 + step.greedy_loop(first, pos, out[0, 1:], eos)
+
+
+def causal(M: int, base: int) -> Tensor:  # -> [M, base + M]: M positions after base, each seeing its past
+    return torch.ones(M, base + M, dtype=torch.bool).tril(base)

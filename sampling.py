@@ -1,0 +1,127 @@
+"""Sampling: the one rule that turns a row of logits into the next token, for every loop and for the engine, and
+the one check of the options that steer it.
+
+A request's randomness is a stream of uniforms drawn up front from its seed, one per new token: token t is where
+u_t falls in the running sum of the filtered distribution (temperature, then top_k, then top_p). A token therefore
+depends on its logits and its place in the answer only, never on what shares its batch or on how many tokens a pass
+verifies. Speculation keeps a guess exactly when it is the token plain decoding would draw there with the same
+u_t, so a seeded request writes the same tokens through every entry point, batched or speculative."""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+NOT_FINITE = -1  # the token of a row whose logits hold a NaN or an infinity: the loops stop on it
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to continue a prompt, checked once here for the command lines, the Python API, the engine and the server.
+    temperature 0 is greedy; top_k None (or 0) and top_p 1.0 cut nothing; seed None draws from torch's global
+    generator; stop: strings that end the answer; ignore_eos: go on past the end-of-sequence tokens."""
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: Optional[int] = 200
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: Optional[tuple] = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        check(whole(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens",
+              f"max_new_tokens must be a whole number of at least 1, got {self.max_new_tokens!r}")
+        check(number(self.temperature) and self.temperature >= 0, "temperature",
+              f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check(self.top_k is None or whole(self.top_k) and self.top_k >= 0, "top_k",
+              f"top_k must be a whole number (0: no limit), got {self.top_k!r}")
+        check(number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(self.seed is None or whole(self.seed) and 0 <= self.seed < 2**64, "seed",
+              f"seed must be a whole number in [0, 2**64), got {self.seed!r}")
+        stop = self.stop
+        check(stop is None or isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop), "stop",
+              "stop must be a list of non-empty strings")
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", f"ignore_eos must be true or false, got "
+              f"{self.ignore_eos!r}")
+        object.__setattr__(self, "top_k", self.top_k or None)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "stop", tuple(stop) if stop else None)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def uniforms(self, n: Optional[int] = None) -> list[float]:
+        """The answer's uniforms in [0, 1), one per new token (n of them: max_new_tokens, or more for the guesses
+        a speculative pass verifies past the end). A seed's first n are the same whatever n is."""
+        g = None if self.seed is None else torch.Generator().manual_seed(self.seed)
+        return torch.rand(n or self.max_new_tokens, generator=g, dtype=torch.float64).tolist()
+
+
+class OptionError(ValueError):
+    """A bad option: the message, and the option it names (a server's error says which field)."""
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check(ok: bool, param: str, message: str):
+    if not ok:
+        raise OptionError(param, message)
+
+
+def pick(logits: Tensor, rows: list, u: list[float], allowed: Optional[Tensor] = None) -> list[int]:
+    """Each row's next token (logits [N, V]) under its options (rows[i]: a Sampling, or anything with temperature,
+    top_k, top_p) and its uniform u[i]: the argmax at temperature 0, else a draw (see draw); NOT_FINITE where the
+    row's logits are not all finite. allowed [N, V] bool (a grammar's): the other tokens get -inf first, so the
+    draw is from the model's distribution renormalized over the allowed ones. Temperatures, probabilities and
+    top-k candidates take one op each for all rows."""
+    finite = torch.isfinite(logits.sum(-1)).tolist()  # a sum is NaN or inf if any term is; before the mask's -inf
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -float("inf"))
+    tokens = [t if ok else NOT_FINITE for t, ok in zip(logits.argmax(-1).tolist(), finite)]
+    hot = [i for i, r in enumerate(rows) if r.temperature > 0 and finite[i]]
+    if not hot:
+        return tokens
+    x = logits[hot].float() / torch.tensor([rows[i].temperature for i in hot], device=logits.device)[:, None]
+    cut = [n for n, i in enumerate(hot) if rows[i].top_k]
+    top = x[cut].topk(min(max(rows[hot[n]].top_k for n in cut), x.size(-1))) if cut else None  # [n, K], best first
+    p = x.softmax(-1) if len(cut) < len(hot) else None  # [N, V]
+    for n, i in enumerate(hot):
+        r = rows[i]
+        if r.top_k:
+            j = cut.index(n)
+            v, t = top.values[j, : r.top_k].softmax(0), top.indices[j, : r.top_k]
+            tokens[i] = int(t[draw(v, r.top_p, u[i])])
+        elif r.top_p < 1.0:
+            v, t = ranked(p[n], r.top_p)
+            tokens[i] = int(t[draw(v, r.top_p, u[i])])
+        else:
+            tokens[i] = draw(p[n], 1.0, u[i])
+    return tokens
+
+
+def ranked(p: Tensor, top_p: float) -> tuple[Tensor, Tensor]:  # p [V] -> probabilities and tokens, best first
+    """The most likely tokens, enough of them to hold top_p of p, best first, without sorting the whole
+    vocabulary: a sort of 49,152 takes 5 ms on a CPU core, a top-64 a twentieth of that, and a nucleus is most often
+    a few dozen tokens."""
+    k = 64
+    while True:
+        v, t = p.topk(min(k, p.numel()))
+        if k >= p.numel() or float(v.sum()) >= top_p:
+            return v, t
+        k *= 8
+
+
+def draw(p: Tensor, top_p: float, u: float) -> int:  # p [K] >= 0, not all 0 (ranked best first when top_p < 1)
+    """The index where u lands in p's running sum, over the nucleus: the tokens the tokens ranked above which hold
+    less than top_p (the first is always in). u in [0, 1); 1 - u in (0, 1], so a token of probability 0 is never
+    the first whose running sum reaches it."""
+    if top_p < 1.0:
+        p = p.masked_fill(p.cumsum(0) - p >= top_p, 0.0)
+    c = p.cumsum(0)
+    return min(int(torch.searchsorted(c, (1 - u) * c[-1:])), p.numel() - 1)

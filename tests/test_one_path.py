@@ -1,0 +1,66 @@
+"""One execution path: a request gets the same tokens through every entry point, alone or batched, speculated or
+not (backend.py chooses how the passes run, sampling.py draws every token)."""
+import pytest
+
+from conftest import needs_smollm2
+from generate import DEFAULT_CHECKPOINT as BUILTIN
+
+DRAFT = BUILTIN.parent / "stdlib-draft"
+PROMPTS = ["def parse(line):", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from llm import LLM
+    return LLM(BUILTIN, draft=DRAFT)
+
+
+def test_a_seeded_request_samples_the_same_through_every_loop_and_the_engine(llm):
+    o = dict(temperature=0.9, top_k=50, top_p=0.9, seed=7, max_new_tokens=32)
+    plain = llm.generate(PROMPTS[0], speculate="plain", **o).tokens
+    for speculate in ("auto", "draft", "tree", "staged", "lookup", "suffix", "lookahead"):
+        assert llm.generate(PROMPTS[0], speculate=speculate, **o).tokens == plain, speculate
+    many = llm.generate_many(PROMPTS, progress=False, **o)  # in a batch with others
+    assert many[0].tokens == plain and len(set(plain)) > 1
+
+
+def test_top_p_alone_samples_the_same_alone_and_in_a_batch(llm):
+    o = dict(temperature=1.0, top_k=None, top_p=0.8, seed=11, max_new_tokens=24)
+    alone = [llm.generate(p, speculate="plain", **o).tokens for p in PROMPTS]
+    assert [c.tokens for c in llm.generate_many(PROMPTS, progress=False, **o)] == alone
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
+def test_greedy_tokens_are_the_same_alone_speculated_and_batched(mode, tmp_path):
+    """Prompts shorter and longer than a prefill piece (128 positions; int4's 32) and than the engine's chunk
+    (512 tokens a step), alone, speculated and as one batch."""
+    from llm import LLM
+    from quantize_checkpoint import quantize_checkpoint
+    path = BUILTIN if mode == "bf16" else quantize_checkpoint(BUILTIN, mode, 32, out_dir=tmp_path)
+    llm = LLM(path)
+    long = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}" for i in range(40))  # about 750 tokens
+    prompts = PROMPTS + [long + "\ndef g(x):"]
+    assert len(llm.tokenizer.encode(prompts[-1])) > 512
+    alone = [llm.generate(p, temperature=0, max_new_tokens=24, speculate="plain").tokens for p in prompts]
+    assert [llm.generate(p, temperature=0, max_new_tokens=24).tokens for p in prompts] == alone  # speculated
+    assert [c.tokens for c in llm.generate_many(prompts, temperature=0, max_new_tokens=24, progress=False)] == alone
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_a_lone_greedy_request_is_the_same_through_generate_and_the_engine(cpu_kernels):
+    from llm import LLM
+    llm = LLM(BUILTIN, cpu_kernels=cpu_kernels)
+    for p in PROMPTS:
+        alone = llm.generate(p, temperature=0, max_new_tokens=24, speculate="plain").tokens
+        assert llm.generate_many([p], temperature=0, max_new_tokens=24, progress=False)[0].tokens == alone
+
+
+@needs_smollm2
+def test_smollm2_int4_answers_a_chat_the_same_through_chat_and_the_engine(smollm2_imports):
+    """The quick start's conversion: LLM.chat (what chat.py runs) and the engine (what serve.py and batch.py run)."""
+    from llm import LLM
+    llm = LLM(smollm2_imports["int4"])
+    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?"]
+    alone = [llm.chat([{"role": "user", "content": q}], temperature=0, max_new_tokens=24).text for q in questions]
+    many = llm.generate_many(questions, chat=True, temperature=0, max_new_tokens=24, progress=False)
+    assert [c.text for c in many] == alone and all(alone)
