@@ -22,11 +22,11 @@ MAX_ROWS = 32  # cpu_gemv.MAX_ROWS: the most positions of a pass its kernels tak
 
 
 def last_logits(model, idx, input_pos, left_pad, kv_len):  # idx [B, S], input_pos [S] -> [B, V]
-    return model(idx, input_pos, left_pad, kv_len, last=True)[:, -1]
+    return model(idx, model.context(input_pos, left_pad, kv_len, last=True))[:, -1]
 
 
 def all_logits(model, idx, input_pos, kv_len, mask, pos):  # idx [1, S] -> [S, V]
-    return model(idx, input_pos, None, kv_len, mask=mask, pos=pos)[0]
+    return model(idx, model.context(input_pos, None, kv_len, mask, pos))[0]
 
 
 def compile_step(step: Callable) -> Callable:

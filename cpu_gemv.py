@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import dequantize_rows
+from model import KVCache, dequantize_rows
 
 MAX_ROWS = 32  # products of more rows than this (prefill) go to torch's GEMM; a token tree verifies up to 32
 PROBE_ROWS = 256  # the rows of the product that decides the prefill dtype
@@ -262,6 +262,12 @@ def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor,
     return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
+class KernelCache(KVCache):
+    """model.py's static KV cache, attended through the kernels above (install makes it the model's cache_type)."""
+    sdpa = staticmethod(sdpa)
+    sdpa_int8 = staticmethod(sdpa_int8)
+
+
 def attend_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, slots: int) -> Tensor:
     """Attention for a few query rows of many sequences over paged.py's block pool: q [B, H, S, D], k_pool and v_pool
     [n_blocks, Hkv, block_size, D], table [B, W] int64 each row's blocks in position order, pos [B, S] int64 each
@@ -475,10 +481,11 @@ def install(model: nn.Module, name: Optional[str] = None) -> str:
         load(name)
     shapes = [(m.out_features, m.in_features) for m in model.modules() if hasattr(m, "out_features")]
     dtype = prefill_dtype(*max(shapes, key=lambda s: s[0] * s[1])) if shapes else torch.bfloat16
+    if _lib is not None and getattr(model, "cache_type", None) is KVCache:
+        model.cache_type = KernelCache  # model.py's caches from here on are attended by the kernels
+        if model.max_seq_length:  # one set up before: made again, as this type
+            model.setup_caches(model.max_batch_size, model.max_seq_length)
     for parent in list(model.modules()):
-        if _lib is not None and getattr(parent, "sdpa", None) is F.scaled_dot_product_attention:
-            parent.sdpa = sdpa  # model.py's attention takes its attention function from here
-            parent.sdpa_int8 = sdpa_int8
         for child_name, child in parent.named_children():
             new = replacement(child, dtype)
             if new is not None:

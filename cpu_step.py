@@ -106,7 +106,7 @@ def step_for(model: Transformer, verify: bool = True) -> Optional[Step]:
         att, ff = b.attention, b.feed_forward
         norms = (b.attention_norm, b.ffn_norm)
         if type(b) is not TransformerBlock or type(att) is not Attention or type(ff) is not FeedForward or \
-                att.sdpa is not cpu_gemv.sdpa or \
+                type(att.kv_cache) is not cpu_gemv.KernelCache or \
                 any(type(n) is not RMSNorm or n.eps != a.norm_eps or not bf16(n.weight, a.dim) for n in norms):
             return None
         cache = att.kv_cache
@@ -167,7 +167,8 @@ def agrees(model: Transformer, cpp, token: int = 1) -> bool:
         cpp.step(token, pos, got)
         # model.py's forward over the first layer, its steps called one by one (the model itself is left whole)
         x = model.tok_embeddings(torch.tensor([[token]]))
-        h = model.layers[0](x, model.freqs_cis[input_pos][None], model.cache_mask(input_pos, None, pos + 1), input_pos)
+        ctx = model.context(input_pos, kv_len=pos + 1)
+        h = model.layers[0](x, model.freqs_cis[ctx.pos], ctx, c)
         want = model.output(model.norm(h))[:, -1].float()  # [1, V]
         base = model.output(model.norm(x))[:, -1].float()  # [1, V]: embedding, norm and head alone
     finally:

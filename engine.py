@@ -24,7 +24,7 @@ def attend_paged_kernel(model, block_size: int, kv_dtype) -> Optional[Callable]:
     """Attention straight over the pool: cpu_gemv.attend_paged for a model on the CPU kernels (its attention is
     theirs), cuda_gemv.attend_paged on a GPU (a float cache, no sliding window); else None (the rows gathered)."""
     import cpu_gemv
-    if model.layers[0].attention.sdpa is cpu_gemv.sdpa:
+    if model.cache_type is cpu_gemv.KernelCache:  # the model's attention runs on the CPU kernels
         return cpu_gemv.attend_paged
     if model.norm.weight.is_cuda and kv_dtype.is_floating_point and not model.args.sliding_window:
         import cuda_gemv

@@ -116,12 +116,26 @@ def dequantize_rows(q: Tensor, scale: Tensor, dtype) -> Tensor:  # int8 [..., D]
     return (q.float().unflatten(-1, (scale.size(-1), -1)) * scale[..., None]).flatten(-2).to(dtype)
 
 
+@dataclass
+class Context:
+    """One pass through a cache: RoPE positions pos [B|1, S]; slots for the new K and V ([S], or [B, S] in a pool);
+    mask [B|1, 1, S, L], the slots each token sees; a pool's layer views and block table [B, W]; last logits only."""
+    pos: Tensor
+    slots: Optional[Tensor] = None
+    mask: Optional[Tensor] = None
+    caches: Optional[list] = None
+    table: Optional[Tensor] = None
+    last: bool = False
+
+
 class KVCache(nn.Module):
+    """K and V [max_batch_size, n_kv_head, max_seq_length + 1, head_dim], written in place at fixed addresses (a CUDA
+    graph replays a step). int8: a key per head, a value per 32 dimensions, rounded with a float32 scale, half of
+    bf16's bytes. zeros(shape, dtype=, device=) allocates; sdpa, sdpa_int8 attend (a kernel subclass has its own)."""
+    sdpa = staticmethod(F.scaled_dot_product_attention)
+
     def __init__(self, max_batch_size: int, n_kv_head: int, max_seq_length: int, head_dim: int, dtype, device,
                  zeros=torch.zeros):
-        """dtype torch.int8: each position's key per head rounded to int8 with one float32 scale, its value with
-        one per 32 dimensions (values have a few large dimensions), about half the bytes of bf16 to store and read.
-        zeros(shape, dtype=, device=) allocates the two large buffers."""
         super().__init__()
         # one spare slot, never read: attention reads a slice of the cache, and were a slice ever the whole buffer
         # it would be contiguous where the others are not, and torch.compile would compile that case again
@@ -132,25 +146,23 @@ class KVCache(nn.Module):
         self.register_buffer("k_scale", scales(1), persistent=False)
         self.register_buffer("v_scale", scales(head_dim // 32 if head_dim % 32 == 0 else 1), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:  # input_pos [S], k/v [B, H_kv, S, D]
-        """-> k, v [B, H_kv, max_seq_length + 1, D]; int8: k, k_scale [..., 1], v, v_scale [..., D / 32 (or 1)]"""
-        # written in place at fixed addresses: the step's shapes never change, so a CUDA graph can replay it
-        if self.k_scale is None:
-            out, new = (self.k_cache, self.v_cache), (k, v)
-        else:
-            (k, ks), (v, vs) = quantize_rows(k, k.size(-1)), quantize_rows(v, v.size(-1) // self.v_scale.size(-1))
-            out, new = (self.k_cache, self.k_scale, self.v_cache, self.v_scale), (k, ks, v, vs)
-        out = [t[: k.size(0)] for t in out]
-        for t, x in zip(out, new):
-            t[:, :, input_pos] = x
-        return tuple(out)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context) -> Tensor:  # q [B, H, S, D], k/v [B, H_kv, S, D]
+        """Write the new K and V at ctx.slots; attention over the first L slots as ctx.mask says -> [B, H, S, D]"""
+        B, L, gqa = k.size(0), ctx.mask.size(-1), q.size(1) != k.size(1)
+        held, new, sdpa = (self.k_cache, self.v_cache), (k, v), self.sdpa
+        if self.k_scale is not None:
+            held, sdpa = (self.k_cache, self.k_scale, self.v_cache, self.v_scale), self.sdpa_int8
+            new = (*quantize_rows(k, k.size(-1)), *quantize_rows(v, v.size(-1) // self.v_scale.size(-1)))
+        for t, x in zip(held, new):
+            t[:B, :, ctx.slots] = x
+        return sdpa(q, *(t[:B, :, :L] for t in held), attn_mask=ctx.mask, enable_gqa=gqa)
 
-
-def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
-              enable_gqa: bool) -> Tensor:  # q [B, H, S, D]; k, v [B, H_kv, L, D] int8, scales [B, H_kv, L, n]
-    """Attention over an int8 cache: dequantized to q's dtype, then SDPA."""
-    k, v = dequantize_rows(k, k_scale, q.dtype), dequantize_rows(v, v_scale, q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
+    @staticmethod
+    def sdpa_int8(q: Tensor, k: Tensor, k_scale: Tensor, v: Tensor, v_scale: Tensor, attn_mask: Tensor,
+                  enable_gqa: bool) -> Tensor:  # q [B, H, S, D]; k, v [B, H_kv, L, D] int8, scales [B, H_kv, L, n]
+        """Attention over an int8 cache: dequantized to q's dtype, then SDPA."""
+        k, v = dequantize_rows(k, k_scale, q.dtype), dequantize_rows(v, v_scale, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
 class Attention(nn.Module):
@@ -164,25 +176,20 @@ class Attention(nn.Module):
         self.register_parameter("bqkv", nn.Parameter(torch.zeros(qkv_rows)) if args.qkv_bias else None)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
-        self.sdpa = F.scaled_dot_product_attention  # a decoding kernel may take the place of either
-        self.sdpa_int8 = sdpa_int8
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
-        B, S, _ = x.shape  # x [B, S, dim]; mask [B|1, 1, S, L <= max_seq_length] or None for plain causal
+    def forward(self, x: Tensor, freqs_cis: Tensor, ctx: Context, cache=None) -> Tensor:
+        B, S, _ = x.shape  # x [B, S, dim]; cache: a KVCache or a paged pool's view, None for no cache
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         qkv = self.wqkv(x) if self.bqkv is None else self.wqkv(x) + self.bqkv  # [B, S, q_size + 2 * kv_size]
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rotary_emb(q.view(B, S, self.n_head, self.head_dim), freqs_cis)
         k = apply_rotary_emb(k.view(B, S, self.n_kv_head, self.head_dim), freqs_cis)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
-        gqa = self.n_head != self.n_kv_head  # several query heads share a KV head, without copying the cache
-        if input_pos is None:
-            y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        else:
-            # only the first L slots, those the mask covers: a short context costs no more in a long cache
-            cache = [t[:, :, : mask.size(-1)] for t in self.kv_cache.update(input_pos, k, v)]
-            y = self.sdpa(q, *cache, attn_mask=mask, enable_gqa=gqa) if len(cache) == 2 else \
-                self.sdpa_int8(q, *cache, attn_mask=mask, enable_gqa=gqa)
+        if cache is not None:
+            y = cache.attend(q, k, v, ctx)
+        else:  # several query heads share a KV head, without copying it; is_causal lets SDPA pick its fused kernels
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.mask is None,
+                                               enable_gqa=self.n_head != self.n_kv_head)
         return self.wo(y.transpose(1, 2).reshape(B, S, q_size))
 
 
@@ -206,8 +213,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Optional[Tensor], input_pos: Optional[Tensor]) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+    def forward(self, x: Tensor, freqs_cis: Tensor, ctx: Context, cache=None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, ctx, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -225,6 +232,7 @@ class Transformer(nn.Module):
         self.max_batch_size = self.max_seq_length = 0
         self.kv_dtype: Optional[torch.dtype] = None  # the cache's dtype; None: the model's
         self.cache_zeros = torch.zeros  # the KV cache's allocator; a loader may give one of its own
+        self.cache_type = KVCache  # and its attention: a kernel module gives a subclass (cpu_gemv.KernelCache)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, kv_dtype: Optional[torch.dtype] = None):
         """Preallocate the KV cache and the RoPE table once; calling again with new sizes replaces both.
@@ -240,44 +248,39 @@ class Transformer(nn.Module):
         with torch.inference_mode(False):
             a = self.args
             for layer in self.layers:
-                layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_head, max_seq_length, a.head_dim,
-                                                   self.kv_dtype or dtype, device, self.cache_zeros)
+                layer.attention.kv_cache = self.cache_type(max_batch_size, a.n_kv_head, max_seq_length, a.head_dim,
+                                                           self.kv_dtype or dtype, device, self.cache_zeros)
             self.freqs_cis = precompute_freqs_cis(max_seq_length, a.head_dim, a.rope_base, a.rope_scaling, device)
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
 
-    def forward(self, idx: Tensor, input_pos: Optional[Tensor] = None, left_pad: Optional[Tensor] = None,
-                kv_len: Optional[int] = None, last: bool = False, mask: Optional[Tensor] = None,
-                pos: Optional[Tensor] = None) -> Tensor:
-        """idx [B, S] token ids -> logits [B, S, vocab].
-
-        With input_pos [S] (cache slots), attend through the KV cache; left_pad [B] counts each row's leading pad
-        tokens, which are masked out and shift that row's RoPE positions so it sees exactly what it would alone.
-        kv_len, if given, must exceed every position in input_pos: attention then reads only the first kv_len
-        cache slots (see kv_bucket). The default is the whole cache. For tokens that are not one sequence (the
-        branches of a tree): mask [S, kv_len] or [B, S, kv_len] bool, the cache slots each token sees, replaces
-        the causal mask, and pos [S] or [B, S] the RoPE positions (the tokens are still written at input_pos, which
-        a paged cache takes per row, [B, S]).
-        Without input_pos, run causal (and sliding-window) attention over idx and touch no cache (training,
-        perplexity). last: the logits of the last position only, [B, 1, vocab] (prefill needs no others)."""
-        if input_pos is None:
-            S = idx.size(1)
-            freqs_cis = precompute_freqs_cis(S, self.args.head_dim, self.args.rope_base, self.args.rope_scaling,
-                                             idx.device)[None]
-            # is_causal (mask None) lets SDPA pick its fused kernels; a mask only where the window cuts something
-            cut = 0 < self.args.sliding_window < S
-            mask = self.cache_mask(torch.arange(S, device=idx.device), None, S) if cut else None  # [1, 1, S, S]
+    def forward(self, idx: Tensor, ctx: Optional[Context] = None) -> Tensor:
+        """idx [B, S] token ids -> logits [B, S|1, vocab]. With ctx, through a cache: the model's own, or ctx.caches.
+        Without, causal (and sliding-window) attention over idx alone, no cache touched (training, perplexity)."""
+        if ctx is None:  # is_causal (mask None) lets SDPA pick its fused kernels: a mask only where a window cuts
+            S, a = idx.size(1), self.args
+            ctx = Context(None, mask=self.cache_mask(torch.arange(S, device=idx.device), None, S)
+                          if 0 < a.sliding_window < S else None)
+            freqs_cis = precompute_freqs_cis(S, a.head_dim, a.rope_base, a.rope_scaling, idx.device)[None]
+            caches = [None] * len(self.layers)
+        elif self.freqs_cis is None:
+            raise RuntimeError("decoding through a cache needs the RoPE table: call model.setup_caches first")
         else:
-            if self.freqs_cis is None:
-                raise RuntimeError("decoding with input_pos needs the KV cache: call model.setup_caches first")
-            pos = torch.atleast_2d(input_pos if pos is None else pos)  # [B|1, S]
-            pos = pos if left_pad is None else (pos - left_pad[:, None]).clamp(min=0)
-            freqs_cis = self.freqs_cis[pos]  # [B|1, S, D/2, 2]
-            mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length) if mask is None \
-                else mask.view(-1, 1, *mask.shape[-2:])  # [B|1, 1, S, kv_len]
+            freqs_cis, caches = self.freqs_cis[ctx.pos], ctx.caches or [b.attention.kv_cache for b in self.layers]
         x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            x = layer(x, freqs_cis, mask, input_pos)
-        return self.output(self.norm(x[:, -1:] if last else x))
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, freqs_cis, ctx, cache)
+        return self.output(self.norm(x[:, -1:] if ctx.last else x))
+
+    def context(self, input_pos: Tensor, left_pad: Optional[Tensor] = None, kv_len: Optional[int] = None,
+                mask: Optional[Tensor] = None, pos: Optional[Tensor] = None, last: bool = False) -> Context:
+        """The pass for tokens at slots input_pos [S] of the model's cache. left_pad [B]: each row's leading pads,
+        masked and shifting its RoPE positions (it sees what it would alone). kv_len > every slot: read only that
+        many (kv_bucket). A tree: mask [B|1, S, kv_len] bool, the slots each node sees, and pos [B|1, S]."""
+        rope = torch.atleast_2d(input_pos if pos is None else pos)  # [B|1, S]
+        rope = rope if left_pad is None else (rope - left_pad[:, None]).clamp(min=0)
+        mask = self.cache_mask(input_pos, left_pad, kv_len or self.max_seq_length) if mask is None \
+            else mask.view(-1, 1, *mask.shape[-2:])  # [B|1, 1, S, kv_len]
+        return Context(rope, input_pos, mask, last=last)
 
     def cache_mask(self, input_pos: Tensor, left_pad: Optional[Tensor], kv_len: int) -> Tensor:  # -> [B|1, 1, S, kv_len]
         # built from input_pos each call rather than sliced from an [L, L] table: that table is 17 GB at L = 128k
@@ -292,7 +295,6 @@ class Transformer(nn.Module):
 
 
 def kv_bucket(n: int, max_seq_length: int) -> int:
-    """The kv_len for a step whose positions are all below n: the next power of two (at least 256), capped at the
-    cache. A short context reads few slots of a long cache, and a compiled step sees only log2(max_seq_length / 256)
-    lengths, so CUDA graphs are recorded a few times, not once per token."""
+    """The kv_len for a step whose positions are all below n: the next power of two (at least 256), capped: a short
+    context reads few slots, and a compiled step sees log2(max_seq_length / 256) lengths (CUDA graphs a few times)."""
     return min(max_seq_length, max(256, 1 << (n - 1).bit_length()))

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from model import Context
+
 
 class BlockPool:
     """Block bookkeeping, no tensors: reference counts, content hashes and the free and cached lists."""
@@ -76,7 +78,7 @@ def block_hash(parent: int, tokens: tuple) -> int:
 
 class PagedCache:
     """The pool's tensors, k and v [n_blocks + 1, n_kv_head, block_size, head_dim] for every layer, and the per-layer
-    views (PagedLayer) that stand in for a model's static KVCache during one forward pass."""
+    views (PagedLayer) that a forward pass attends through (model.Context's caches)."""
 
     def __init__(self, model, pool: BlockPool, dtype: Optional[torch.dtype] = None, attend=None):
         a, w = model.args, model.norm.weight
@@ -92,10 +94,9 @@ class PagedCache:
         # where every layer gathers its rows' blocks, one layer at a time: laid out as the static cache is (its
         # slots apart per head), so that the attention kernels split each row's context as they split a lone
         # sequence's, and round as they do
-        self.rows = [torch.empty(0, 0, 0, 0, dtype=self.k[0].dtype, device=w.device) for _ in range(2)]
-        self.layers = [PagedLayer(k, v, self.rows, attend) for k, v in zip(self.k, self.v)]
-        for view in self.layers:
-            view.slots = model.max_seq_length + 1  # model.KVCache's slots, its spare one included
+        rows = [torch.empty(0, 0, 0, 0, dtype=self.k[0].dtype, device=w.device) for _ in range(2)]
+        self.layers = [PagedLayer(k, v, rows, attend, model.cache_type.sdpa, model.max_seq_length + 1)
+                       for k, v in zip(self.k, self.v)]
 
     def bytes_per_block(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
@@ -104,47 +105,31 @@ class PagedCache:
         """model's forward for rows that each continue their own sequence: idx, slots (where each token's K and V
         go: block * block_size + offset) and pos (its RoPE position) [B, S]; table [B, blocks] the blocks each row
         reads, in order; mask [B, S, blocks * block_size] the slots of those each token sees. -> logits [B, S|1, V]"""
-        layers = [layer.attention for layer in self.model.layers]
-        kept = [(a.kv_cache, a.sdpa) for a in layers]
-        direct = self.attend is not None and idx.size(1) <= 32  # the kernel's rows: decode steps, short chunks
-        try:
-            for a, view in zip(layers, self.layers):
-                a.kv_cache, view.table, view.pos = view, table, pos if direct else None
-                if direct:
-                    a.sdpa = view.attend
-            return self.model(idx, slots, mask=mask, pos=pos, last=last)
-        finally:
-            for a, (cache, sdpa) in zip(layers, kept):
-                a.kv_cache, a.sdpa = cache, sdpa
+        return self.model(idx, Context(pos, slots, mask[:, None], self.layers, table, last))
 
 
-class PagedLayer(torch.nn.Module):
-    """One layer's pool, as model.Attention sees a KVCache: update writes the new tokens' K and V at their slots
-    and returns the rows' blocks (table [B, blocks]) laid end to end, [B, n_kv_head, slots, head_dim], of which
-    the model reads the first mask.size(-1); past blocks * block_size they hold finite leftovers, masked."""
+class PagedLayer:
+    """One layer's pool, attended as model.py's KVCache is: attend writes the new tokens' K and V at their slots,
+    then attends over each row's blocks (ctx.table), straight over the pool through the kernel for a few query
+    rows, else gathered end to end as a static cache lays them out, past blocks * block_size finite leftovers,
+    masked. sdpa: the model's attention over such a gather; slots: the static cache's length, spare slot included."""
 
-    def __init__(self, k: Tensor, v: Tensor, rows: list[Tensor], attend=None):
-        super().__init__()
-        self.k, self.v, self.rows, self.table, self.slots = k, v, rows, None, 0  # slots: the static cache's
-        self.kernel, self.pos = attend, None  # pos [B, S], while a forward pass reads the pool in place
+    def __init__(self, k: Tensor, v: Tensor, rows: list[Tensor], kernel, sdpa, slots: int):
+        self.k, self.v, self.rows, self.kernel, self.sdpa, self.slots = k, v, rows, kernel, sdpa, slots
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, attn_mask=None, is_causal=False, enable_gqa=False) -> Tensor:
-        """model.Attention's sdpa, over the pool in place: k and v are the pool (update returned it)."""
-        return self.kernel(q, k, v, self.table, self.pos, self.slots)
-
-    def update(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:  # slots [B, S], k/v [B, Hkv, S, D]
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: Context) -> Tensor:  # q [B, H, S, D], k/v [B, Hkv, S, D]
         size = self.k.size(2)
-        block, offset = (slots // size).flatten(), (slots % size).flatten()
+        block, offset = (ctx.slots // size).flatten(), (ctx.slots % size).flatten()
         for pool, new in ((self.k, k), (self.v, v)):
             pool[block, :, offset] = new.transpose(1, 2).flatten(0, 1).to(pool.dtype)  # [B * S, Hkv, D]
-        if self.pos is not None:  # read in place by attend
-            return self.k, self.v  # (the model's cut to the mask's length leaves a block's positions whole)
-        (B, n), (_, H, _, D), out = self.table.shape, self.k.shape, []
+        if self.kernel is not None and q.size(2) <= 32:  # the kernel's rows: decode steps, short chunks
+            return self.kernel(q, self.k, self.v, ctx.table, ctx.pos, self.slots)
+        (B, n), (_, H, _, D), held = ctx.table.shape, self.k.shape, []
         for i, pool in enumerate((self.k, self.v)):
             if self.rows[i].size(0) < B or self.rows[i].size(2) < n * size:  # [B, Hkv, slots, D], grown as needed
                 slots = max(n * size, self.rows[i].size(2), self.slots)
                 grown = max(B, 2 * self.rows[i].size(0))  # doubling: a batch that grows a row a step reallocates rarely
                 self.rows[i] = torch.zeros(grown, H, slots, D, dtype=pool.dtype, device=pool.device)  # finite
-            self.rows[i][:B, :, : n * size].view(B, H, n, size, D).copy_(pool[self.table].transpose(1, 2))
-            out.append(self.rows[i][:B])  # the model reads as many slots as the mask covers
-        return tuple(out)
+            self.rows[i][:B, :, : n * size].view(B, H, n, size, D).copy_(pool[ctx.table].transpose(1, 2))
+            held.append(self.rows[i][:B, :, : ctx.mask.size(-1)])  # as many slots as the mask covers
+        return self.sdpa(q, *held, attn_mask=ctx.mask, enable_gqa=q.size(1) != k.size(1))

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Transformer, precompute_freqs_cis
+from model import Context, Transformer, precompute_freqs_cis
 
 MODES = ("int8", "int4", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
@@ -230,7 +230,7 @@ def gptq_model(model: Transformer, tokens: Tensor, groupsize: int, chunk: int = 
     freqs_cis = precompute_freqs_cis(tokens.size(1), model.args.head_dim, model.args.rope_base,
                                      model.args.rope_scaling, tokens.device)[None]
     xs = [model.tok_embeddings(t) for t in tokens.split(chunk)]  # [chunk, S, dim] each: bounded memory
-    blocks = [(f"layers.{i}.", layer, lambda x, layer=layer: layer(x, freqs_cis, None, None))
+    blocks = [(f"layers.{i}.", layer, lambda x, layer=layer: layer(x, freqs_cis, Context(None)))  # causal, no cache
               for i, layer in enumerate(model.layers)]
     head = nn.ModuleDict(dict(norm=model.norm, output=model.output))
     blocks.append(("", head, lambda x: model.output(model.norm(x))))

@@ -31,7 +31,7 @@ def seconds_per_step(decode, steps: int) -> float:
 def compare(path: Path, context: int, rounds: int, steps: int) -> dict:
     model = load_model(path, "cpu", torch.bfloat16)
     model.setup_caches(1, context + 64)  # as generate.py sets it up for 64 new tokens
-    model(torch.randint(0, model.args.vocab_size, (1, context)), torch.arange(context), kv_len=context)
+    model(torch.randint(0, model.args.vocab_size, (1, context)), model.context(torch.arange(context), kv_len=context))
     cpp = cpu_step.step_for(model)
     if cpp is None:
         raise ValueError(f"{path}: cpu_step cannot run this model here (see cpu_step.step_for: bf16 activations, "

@@ -68,8 +68,8 @@ def tokens(n=SEQ, seed=1):
 
 def step_by_step(model, ids, prefill=1):  # ids [1, S] -> [1, S, V]: a prefill, then one token at a time
     model.setup_caches(1, ids.size(1) + 8)
-    out = [model(ids[:, :prefill], torch.arange(prefill))]
-    out += [model(ids[:, t : t + 1], torch.tensor([t])) for t in range(prefill, ids.size(1))]
+    out = [model(ids[:, :prefill], model.context(torch.arange(prefill)))]
+    out += [model(ids[:, t : t + 1], model.context(torch.tensor([t]))) for t in range(prefill, ids.size(1))]
     return torch.cat(out, 1)
 
 
@@ -126,7 +126,7 @@ def test_qwen2_two_ranks_give_the_single_process_logits(qwen2, tmp_path):
     assert result.returncode == 0, result.stderr[:3000]
     single = checkpoint.load_model(native, "cpu", torch.float32)
     single.setup_caches(1, 64)
-    expected = single(torch.tensor([PROMPT]), torch.arange(len(PROMPT)))[0]
+    expected = single(torch.tensor([PROMPT]), single.context(torch.arange(len(PROMPT))))[0]
     assert_matches(load_file(tmp_path / "logits.safetensors")["logits"], expected)
 
 
@@ -169,12 +169,12 @@ def test_mistral_left_padded_batch_gives_each_row_what_it_gets_alone(mistral):
     left_pad = torch.tensor([pad, 0])
     ours.setup_caches(2, SEQ + 16)
     idx = torch.stack([torch.cat([torch.zeros(pad, dtype=torch.long), prompts[0]]), prompts[1]])
-    batched = [ours(idx, torch.arange(SEQ), left_pad)[:, -1]]
-    batched += [ours(follow[:, t : t + 1], torch.tensor([SEQ + t]), left_pad)[:, -1] for t in range(12)]
+    batched = [ours(idx, ours.context(torch.arange(SEQ), left_pad))[:, -1]]
+    batched += [ours(follow[:, t : t + 1], ours.context(torch.tensor([SEQ + t]), left_pad))[:, -1] for t in range(12)]
     for row, prompt in enumerate(prompts):
         ours.setup_caches(1, SEQ + 16)
-        alone = [ours(prompt[None], torch.arange(len(prompt)))[0, -1]]
-        alone += [ours(follow[row : row + 1, t : t + 1], torch.tensor([len(prompt) + t]))[0, -1] for t in range(12)]
+        alone = [ours(prompt[None], ours.context(torch.arange(len(prompt))))[0, -1]]
+        alone += [ours(follow[row : row + 1, t : t + 1], ours.context(torch.tensor([len(prompt) + t])))[0, -1] for t in range(12)]
         assert_matches(torch.stack([b[row] for b in batched]), torch.stack(alone))
 
 

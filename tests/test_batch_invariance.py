@@ -51,13 +51,12 @@ def bf16_model(head_dim: int, kv_cache=None, weights: str = "bf16", kv_heads: in
 
 def prefill(model, prompt: list[int]):
     T = len(prompt)
-    model(torch.tensor([prompt]), torch.arange(T), None, kv_bucket(T, model.max_seq_length))
+    model(torch.tensor([prompt]), model.context(torch.arange(T), None, kv_bucket(T, model.max_seq_length)))
 
 
 def decode(model, tokens: list[int], base: int) -> list[torch.Tensor]:
     """The logits after each token, fed one at a time from cache slot base."""
-    return [model(torch.tensor([[t]]), torch.arange(base + i, base + i + 1), None,
-                  kv_bucket(base + i + 1, model.max_seq_length))[0, -1] for i, t in enumerate(tokens)]
+    return [model(torch.tensor([[t]]), model.context(torch.arange(base + i, base + i + 1), None, kv_bucket(base + i + 1, model.max_seq_length)))[0, -1] for i, t in enumerate(tokens)]
 
 
 @pytest.mark.parametrize("head_dim, kv_cache", [(32, None), (64, None), (64, torch.int8)])
@@ -68,8 +67,7 @@ def test_a_verify_pass_computes_each_position_as_decoding_it_alone_does(kernels,
     for T, M in ((40, 6), (300, 17), (250, 32)):  # the last crosses a part boundary of the attention
         tokens = [rng.randrange(64) for _ in range(T + M)]
         prefill(model, tokens[:T])
-        many = model(torch.tensor([tokens[T:]]), torch.arange(T, T + M), None,
-                     kv_bucket(T + M, model.max_seq_length))[0]
+        many = model(torch.tensor([tokens[T:]]), model.context(torch.arange(T, T + M), None, kv_bucket(T + M, model.max_seq_length)))[0]
         one = decode(model, tokens[T:], T)
         assert all(torch.equal(one[i], many[i]) for i in range(M)), (T, M)
 
@@ -107,7 +105,7 @@ def test_a_verify_pass_with_quantized_weights_computes_what_decoding_does(kernel
     rng = random.Random(5)
     tokens = [rng.randrange(64) for _ in range(120)]
     prefill(model, tokens[:100])
-    many = model(torch.tensor([tokens[100:]]), torch.arange(100, 120), None, kv_bucket(120, model.max_seq_length))[0]
+    many = model(torch.tensor([tokens[100:]]), model.context(torch.arange(100, 120), None, kv_bucket(120, model.max_seq_length)))[0]
     one = decode(model, tokens[100:], 100)
     assert all(torch.equal(one[i], many[i]) for i in range(20))
 
@@ -133,8 +131,7 @@ def test_a_token_trees_node_computes_what_decoding_its_path_computes(kernels, he
         prefill(model, context)
         kv_len = kv_bucket(base + nodes, model.max_seq_length)
         mask, pos = tree_inputs(tree, base, range(nodes), kv_len, 0, "cpu")
-        many = model(torch.tensor([tree.tokens]), torch.arange(base, base + nodes), None, kv_len, mask=mask,
-                     pos=pos)[0]
+        many = model(torch.tensor([tree.tokens]), model.context(torch.arange(base, base + nodes), None, kv_len, mask=mask, pos=pos))[0]
         for node in range(nodes):
             path = [tree.tokens[0]] + path_to(tree, node)
             assert torch.equal(decode(model, path, base)[-1], many[node]), (base, node)

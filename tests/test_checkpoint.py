@@ -119,7 +119,7 @@ def test_int8_prefill_of_64_tokens_runs_from_a_file_whose_weights_sit_8_bytes_of
     # test run down with it
     code = (f"import torch, checkpoint; m = checkpoint.load_model({str(q)!r}, 'cpu', torch.bfloat16); "
             f"m.setup_caches(1, 64); torch.manual_seed(0); "
-            f"print(m(torch.randint(0, 320, (1, 64)), torch.arange(64)).float().abs().sum().item())")
+            f"print(m(torch.randint(0, 320, (1, 64)), m.context(torch.arange(64))).float().abs().sum().item())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
     assert float(result.stdout.split()[-1]) > 0

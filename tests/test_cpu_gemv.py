@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import cpu_gemv
 import quantize
 from checkpoint import load_model
-from model import dequantize_rows, quantize_rows
+from model import KVCache, dequantize_rows, quantize_rows
 
 TARGETS = [name for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags())]
 pytestmark = pytest.mark.skipif(not TARGETS or cpu_gemv.load() is None, reason="no kernels for this CPU or no g++")
@@ -265,11 +265,12 @@ def test_a_model_gives_the_tokens_torchs_kernels_give(checkpoint, tmp_path, mode
     path = checkpoint if mode == "bf16" else quantize_checkpoint(checkpoint, mode, 64, out_dir=tmp_path / mode)
     ours, torchs = (load_model(path, "cpu", torch.bfloat16, k) for k in ("auto", "off"))
     assert cpu_gemv.describe(ours).startswith(f"CPU kernels: {kernels}") and "torch" in cpu_gemv.describe(torchs)
-    assert ours.layers[0].attention.sdpa is cpu_gemv.sdpa and torchs.layers[0].attention.sdpa is F.scaled_dot_product_attention
+    assert ours.cache_type is cpu_gemv.KernelCache and torchs.cache_type is KVCache  # whose attention: the kernels'
+
     idx = torch.tensor([[1, 40, 41, 42, 43]])
     for m in (ours, torchs):
         m.setup_caches(1, 16)
-    logits = [torch.cat([m(idx[:, i : i + 1], torch.tensor([i])) for i in range(idx.size(1))], 1).float()
+    logits = [torch.cat([m(idx[:, i : i + 1], m.context(torch.tensor([i]))) for i in range(idx.size(1))], 1).float()
               for m in (ours, torchs)]
     # int8, int4: the kernels round activations to int8 per block, about 1% per product, which adds up over layers
     assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < (2e-2 if mode == "bf16" else 5e-2)
@@ -501,6 +502,6 @@ def test_attention_the_kernel_cannot_do_is_torchs():
 def test_the_output_head_gives_float32_logits(checkpoint, kernels):
     model = load_model(checkpoint, "cpu", torch.bfloat16)  # cpu_gemv installed: the head writes float32
     model.setup_caches(1, 16)
-    logits = model(torch.tensor([[1, 5, 9]]), torch.arange(3), last=True)
+    logits = model(torch.tensor([[1, 5, 9]]), model.context(torch.arange(3), last=True))
     assert logits.dtype == torch.float32 and logits.shape == (1, 1, model.args.vocab_size)
     assert logits.bfloat16().float().ne(logits).any()  # values bf16 could not hold

@@ -59,11 +59,11 @@ def tiny(mode: str = "bf16", kv=None, **kw) -> Transformer:
 def logits_both_ways(model: Transformer, prompt_len: int = 9, steps: int = 3) -> list[tuple[torch.Tensor, ...]]:
     """(model.py's logits, the C++ step's) for `steps` decode steps after a random prompt, each fed its argmax."""
     prompt = torch.randint(0, model.args.vocab_size, (1, prompt_len))
-    model(prompt, torch.arange(prompt_len), kv_len=model.max_seq_length)
+    model(prompt, model.context(torch.arange(prompt_len), kv_len=model.max_seq_length))
     step, out, cur = cpu_step.step_for(model), [], torch.tensor([[5]])
     assert step is not None
     for pos in range(prompt_len, prompt_len + steps):
-        ref = model(cur, torch.tensor([pos]))[:, -1].float()  # writes the slot, which the step then writes again
+        ref = model(cur, model.context(torch.tensor([pos])))[:, -1].float()  # writes the slot, which the step then writes again
         got = step(cur, torch.tensor([pos])).clone()  # the step's buffer, which the next step rewrites
         out.append((ref, got))
         cur = ref.argmax(-1, keepdim=True)
@@ -235,7 +235,7 @@ def test_an_unchanged_model_passes_the_step_s_check_and_nothing_is_said(capsys):
 def test_the_step_s_check_leaves_the_cache_as_it_was():
     model = tiny(kv=torch.int8)
     with torch.inference_mode():
-        model(torch.randint(0, 320, (1, 9)), torch.arange(9))  # a prompt in the slots the check writes and reads
+        model(torch.randint(0, 320, (1, 9)), model.context(torch.arange(9)))  # a prompt in the slots the check writes and reads
     before = [t.clone() for t in model.buffers()]
     assert cpu_step.step_for(model) is not None
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))

@@ -37,9 +37,9 @@ def test_left_padded_rows_get_the_same_logits_as_alone(model32):
     T = len(long)
     idx = torch.tensor([[0] * (T - len(short)) + short, long])
     model32.setup_caches(2, 64)
-    padded = model32(idx, torch.arange(T), torch.tensor([T - len(short), 0]))[0, -1]
+    padded = model32(idx, model32.context(torch.arange(T), torch.tensor([T - len(short), 0])))[0, -1]
     model32.setup_caches(1, 64)
-    alone = model32(torch.tensor([short]), torch.arange(len(short)))[0, -1]
+    alone = model32(torch.tensor([short]), model32.context(torch.arange(len(short))))[0, -1]
     torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
 
 
@@ -50,7 +50,7 @@ def test_a_cache_that_generate_set_up_stays_usable_outside_it(checkpoint):
     assert not cache.is_inference()
     with torch.no_grad():
         cache.zero_()  # as a caller writing the cache (bench.py fills it with a long context) does
-        model(torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0])))
+        model(torch.tensor([PROMPTS[0]]), model.context(torch.arange(len(PROMPTS[0]))))
     assert generate(model, PROMPTS[:1], 8, temperature=0.0).rows == first
 
 
@@ -124,7 +124,7 @@ def test_weight_bytes_counts_every_weight_but_the_untied_embedding_table(model32
 def decode_logits(step, model, prompt, tokens):  # prompt [1, T], tokens: the fixed continuation fed back
     T = prompt.size(1)
     model.setup_caches(1, 64)
-    model(prompt, torch.arange(T))
+    model(prompt, model.context(torch.arange(T)))
     logits = []
     for i, tok in enumerate(tokens):
         # after two warm-up steps, any compilation would be a per-step recompile
@@ -139,7 +139,7 @@ def test_compiled_decode_step_matches_eager_in_bf16_without_recompiling(checkpoi
     model = load_model(checkpoint, "cpu", torch.bfloat16)
     prompt = torch.tensor([PROMPTS[1]])
     tokens = generate(model, prompt.tolist(), 12, temperature=0.0).rows[0]
-    step = torch.no_grad()(lambda m, cur, pos: m(cur, pos)[:, -1])  # the model part of decode_one_token
+    step = torch.no_grad()(lambda m, cur, pos: m(cur, m.context(pos))[:, -1])  # the model part of decode_one_token
     eager = decode_logits(step, model, prompt, tokens)
     compiled = decode_logits(torch.compile(step, mode="reduce-overhead", fullgraph=True), model, prompt, tokens)
     # bf16 rounds to 3 significant digits and inductor fuses in a different order: compare relative to the whole

@@ -56,7 +56,7 @@ def cached_nll(model, ids: list[int], kv) -> float:
     nll = 0.0
     with torch.no_grad():
         for i in range(len(ids) - 1):
-            logits = model(torch.tensor([[ids[i]]]), torch.tensor([i]))
+            logits = model(torch.tensor([[ids[i]]]), model.context(torch.tensor([i])))
             nll -= F.log_softmax(logits[0, -1].float(), -1)[ids[i + 1]].item()
     return nll / (len(ids) - 1)
 

@@ -50,8 +50,8 @@ def test_cached_decoding_one_token_at_a_time_matches_full_forward(pair, tokens):
     _, ours = pair
     ours.setup_caches(2, SEQ)
     half = SEQ // 2
-    steps = [ours(tokens[:, :half], torch.arange(half))]
-    steps += [ours(tokens[:, i : i + 1], torch.tensor([i])) for i in range(half, SEQ)]
+    steps = [ours(tokens[:, :half], ours.context(torch.arange(half)))]
+    steps += [ours(tokens[:, i : i + 1], ours.context(torch.tensor([i]))) for i in range(half, SEQ)]
     assert rel_err(torch.cat(steps, dim=1), ours(tokens)) < 1e-5
 
 
@@ -84,7 +84,7 @@ def test_setup_caches_again_with_new_sizes_reallocates(pair, tokens):
     assert cache.k_cache.shape == (3, ours.args.n_kv_head, 64 + 1, ours.args.head_dim)  # + the spare slot
     assert ours.freqs_cis.shape[0] == 64
     x = tokens[:, :40].repeat(2, 1)[:3]
-    assert rel_err(ours(x, torch.arange(40)), ours(x)) < 1e-5
+    assert rel_err(ours(x, ours.context(torch.arange(40))), ours(x)) < 1e-5
 
 
 @torch.no_grad()
@@ -96,8 +96,8 @@ def test_decoding_through_a_cache_of_2_mb_or_more_matches_the_full_forward(pair,
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: the mapping, aligned to 2 MB (elsewhere torch.zeros)
         assert ours.layers[0].attention.kv_cache.v_cache.data_ptr() % (2 << 20) == 0
     x, half = tokens.repeat(B, 1)[:B], SEQ // 2
-    steps = [ours(x[:, :half], torch.arange(half))]
-    steps += [ours(x[:, i : i + 1], torch.tensor([i])) for i in range(half, SEQ)]
+    steps = [ours(x[:, :half], ours.context(torch.arange(half)))]
+    steps += [ours(x[:, i : i + 1], ours.context(torch.tensor([i]))) for i in range(half, SEQ)]
     assert rel_err(torch.cat(steps, dim=1), ours(x)) < 1e-5
 
 
@@ -106,9 +106,9 @@ def test_reading_only_a_bucket_of_a_long_cache_gives_the_whole_cache_logits(pair
     _, ours = pair
     ours.setup_caches(2, SEQ)
     T, n = SEQ - 10, SEQ - 10 + 3  # a kv_len well short of the cache, and just enough for these positions
-    whole = [ours(tokens[:, :T], torch.arange(T))] + [ours(tokens[:, i : i + 1], torch.tensor([i])) for i in range(T, n)]
-    part = [ours(tokens[:, :T], torch.arange(T), None, n)]
-    part += [ours(tokens[:, i : i + 1], torch.tensor([i]), None, n) for i in range(T, n)]
+    whole = [ours(tokens[:, :T], ours.context(torch.arange(T)))] + [ours(tokens[:, i : i + 1], ours.context(torch.tensor([i]))) for i in range(T, n)]
+    part = [ours(tokens[:, :T], ours.context(torch.arange(T), None, n))]
+    part += [ours(tokens[:, i : i + 1], ours.context(torch.tensor([i]), None, n)) for i in range(T, n)]
     assert rel_err(torch.cat(part, 1), torch.cat(whole, 1)) < 1e-6
 
 

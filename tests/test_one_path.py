@@ -64,3 +64,33 @@ def test_smollm2_int4_answers_a_chat_the_same_through_chat_and_the_engine(smollm
     alone = [llm.chat([{"role": "user", "content": q}], temperature=0, max_new_tokens=24).text for q in questions]
     many = llm.generate_many(questions, chat=True, temperature=0, max_new_tokens=24, progress=False)
     assert [c.text for c in many] == alone and all(alone)
+
+
+def test_no_module_of_the_model_is_assigned_to_while_it_runs(monkeypatch):
+    """Every pass is described by its model.Context: nothing on the model is swapped per step, in the engine (over
+    the paged pool through model.py's forward), in speculation, or in a compiled run."""
+    import torch
+
+    from backend import Backend
+    from checkpoint import load_model
+    from engine import Engine, Request
+    from generate import generate
+    from speculative import speculative_generate
+    pooled, target, draft = (load_model(p, "cpu", dt) for p, dt in ((BUILTIN, torch.float32), (BUILTIN, torch.bfloat16),
+                                                                       (DRAFT, torch.bfloat16)))
+    for m in (pooled, target, draft):
+        m.setup_caches(1, 256)
+    compiled = Backend(pooled, compile=True)
+    watched, assigned = {m for model in (pooled, target, draft) for m in model.modules()}, []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def spy(self, name, value):
+        if self in watched:
+            assigned.append(f"{type(self).__name__}.{name}")
+        setattr_(self, name, value)
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", spy)
+    engine = Engine(pooled, max_rows=4, budget=64)
+    engine.run([Request([1, 5, 9, 13] * k, max_new_tokens=12) for k in range(1, 5)])
+    speculative_generate(target, [1, 20, 21, 22, 20, 21], 24, 3, draft=draft, temperature=0)
+    generate(pooled, [[1, 20, 21, 22]], 12, backend=compiled, temperature=0)
+    assert assigned == []

@@ -196,7 +196,7 @@ def test_quantized_decode_step_on_cuda_compiled_matches_eager(quantized, mode):
     @torch.inference_mode()
     def logits(step):  # -> [16, vocab]; float() copies each step's output out of the CUDA graph's buffer
         model.setup_caches(1, 64)
-        model(torch.tensor([prompt], device="cuda"), torch.arange(len(prompt), device="cuda"))
+        model(torch.tensor([prompt], device="cuda"), model.context(torch.arange(len(prompt), device="cuda")))
         return torch.cat([step(model, torch.tensor([[t]], device="cuda"), torch.tensor([len(prompt) + i],
                                                                                       device="cuda"), None, 64).float()
                           for i, t in enumerate(tokens)])
@@ -234,8 +234,8 @@ def test_generate_cli_runs_a_quantized_checkpoint_compiled(quantized, mode, chec
     model.setup_caches(1, 64)
     seq = torch.tensor([prompt + compiled])
     with torch.no_grad():
-        logits = torch.cat([model(seq[:, : len(prompt)], torch.arange(len(prompt)))[:, -1:]] +
-                           [model(seq[:, i : i + 1], torch.tensor([i])) for i in range(len(prompt), seq.size(1) - 1)],
+        logits = torch.cat([model(seq[:, : len(prompt)], model.context(torch.arange(len(prompt))))[:, -1:]] +
+                           [model(seq[:, i : i + 1], model.context(torch.tensor([i]))) for i in range(len(prompt), seq.size(1) - 1)],
                            1)[0].float()  # the logits each new token was chosen from, step by step as generate does
     chosen = logits.gather(-1, torch.tensor(compiled)[:, None])[:, 0]
     assert ((logits.max(-1).values - chosen) <= 0.01 * logits.abs().max(-1).values).all()

@@ -52,7 +52,7 @@ def test_ranks_give_the_single_process_logits_and_tokens(variant, tmp_path, rank
     single = load_model(variant, device, torch.float32)
     single.setup_caches(1, 64)
     with torch.no_grad():
-        expected = single(torch.tensor([PROMPT], device=device), torch.arange(len(PROMPT), device=device))[0]
+        expected = single(torch.tensor([PROMPT], device=device), single.context(torch.arange(len(PROMPT), device=device)))[0]
     torch.testing.assert_close(load_file(tmp_path / "logits.safetensors")["logits"], expected.cpu(), rtol=1e-5,
                                atol=1e-5)
     assert json.loads((tmp_path / "tokens.json").read_text()) == generate(single, [PROMPT], 20, temperature=0).rows[0]

@@ -68,7 +68,7 @@ def test_a_tree_node_sees_only_its_ancestors():
     c = tree.add(a, 7, 0.5)
     d = tree.add(b, 1, 0.5)
     with torch.no_grad():
-        model(torch.tensor([prompt]), torch.arange(3))
+        model(torch.tensor([prompt]), model.context(torch.arange(3)))
         p = forward_nodes(Backend(model), tree, 3, range(5), torch.arange(32)).softmax(-1)
         for node, path in ((c, [4, 5, 7]), (d, [4, 6, 1]), (b, [4, 6])):
             alone = reference_probs(tiny()(torch.tensor([prompt + path]))[:, -1], temperature=1.0)[0]

@@ -18,7 +18,7 @@ model = tp.load_sharded(ckpt, rank, world, device, torch.float32)
 prompt = [1, 17, 42, 99, 7, 120, 5]
 model.setup_caches(1, 64)
 with torch.no_grad():
-    logits = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device))[0]  # [S, V]
+    logits = model(torch.tensor([prompt], device=device), model.context(torch.arange(len(prompt), device=device)))[0]  # [S, V]
 tokens = generate(model, [prompt], 20, temperature=0).rows[0]
 if rank == 0:
     save_file({"logits": logits.cpu().contiguous()}, out / "logits.safetensors")
