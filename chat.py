@@ -214,9 +214,9 @@ def tree_nodes(length: int, max_new_tokens: int) -> int:
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ValueError("--temperature must be >= 0 and --top_p in (0, 1]")
+    p = parser()
+    args = p.parse_args(argv)
+    cli.sampling_options(p, args)
     grammars = ([guided.any_json()] if args.json else []) + (args.guides or [])
     if len(grammars) > 1:
         raise ValueError("give one of --json_schema, --json, --regex or --grammar: every reply matches it")

@@ -368,16 +368,22 @@ def read_prompts(args) -> list[str]:
     return prompts or ["def fibonacci(n):"]
 
 
+def sampling_options(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """The sampling options checked as every entry point checks them (sampling.Sampling), named as flags."""
+    from sampling import OptionError, Sampling
+    try:
+        Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, getattr(args, "seed", None),
+                 getattr(args, "stop", None), bool(getattr(args, "ignore_eos", False)))
+    except OptionError as e:
+        p.error(f"--{e}")
+
+
 def parse_generate_args(argv, p: argparse.ArgumentParser) -> argparse.Namespace:
     import guided
     args = p.parse_args(argv)
-    checks = [(args.temperature >= 0, "--temperature must be >= 0"),
-              (0 < args.top_p <= 1, "--top_p must be in (0, 1]"),
-              (args.system is None or args.chat, "--system needs --chat"),
-              (all(args.stop or ()), "--stop needs a non-empty string")]
-    for ok, msg in checks:
-        if not ok:
-            p.error(msg)
+    sampling_options(p, args)
+    if args.system is not None and not args.chat:
+        p.error("--system needs --chat")
     check_output_file(args.metrics_json, "--metrics_json", '"ttft_ms"')
     check_output_file(args.profile, "--profile", '"traceEvents"')
     args.guides = ([guided.any_json()] if args.json else []) + (args.guides or [])

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import cli
+from sampling import OptionError, Sampling
 
 KEY_ENV = "FAST_DECODE_API_KEY"
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -67,20 +68,17 @@ def sampling(body: dict) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         need(body.get(name) in (None, 0, 0.0), f"'{name}' is not supported by this server (0 only)", name)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    need(limit is None or whole(limit) and limit >= 1, "max_tokens must be a whole number of at least 1", "max_tokens")
-    temperature = body.get("temperature", 1.0)
-    temperature = 1.0 if temperature is None else temperature
-    need(number(temperature) and 0 <= temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
-    top_p = 1.0 if body.get("top_p") is None else body["top_p"]
-    need(number(top_p) and 0 < top_p <= 1, "top_p must be a number in (0, 1]", "top_p")
-    top_k = body.get("top_k")
-    need(top_k is None or whole(top_k) and top_k >= 0, "top_k must be a whole number (0: no limit)", "top_k")
-    seed = body.get("seed")
-    need(seed is None or whole(seed), "seed must be a whole number", "seed")
-    stop = body.get("stop")
+    temperature = 1.0 if body.get("temperature") is None else body["temperature"]
+    need(not number(temperature) or temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
+    seed, stop = body.get("seed"), body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
-    need(stop is None or isinstance(stop, list) and len(stop) <= 16 and all(isinstance(s, str) and s for s in stop),
-         "stop must be a non-empty string or a list of at most 16 of them", "stop")
+    need(not isinstance(stop, list) or len(stop) <= 16, "stop must be a string or a list of at most 16", "stop")
+    try:  # the checks every entry point makes (sampling.py); the API's own bounds above
+        o = Sampling(1 if limit is None else limit, temperature, body.get("top_k"),
+                     1.0 if body.get("top_p") is None else body["top_p"], seed % 2**64 if whole(seed) else seed, stop)
+    except OptionError as e:
+        raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"),
+                       "max_tokens" if e.param == "max_new_tokens" else e.param) from None
     n = 1 if body.get("n") is None else body["n"]
     need(whole(n) and 1 <= n <= 16, "n must be a whole number from 1 to 16", "n")
     for name in ("stream", "ignore_eos"):
@@ -88,8 +86,8 @@ def sampling(body: dict) -> dict:
     options = body.get("stream_options")
     need(options is None or isinstance(options, dict) and options.get("include_usage") in (None, True, False),
          "stream_options must be an object whose include_usage is true or false", "stream_options")
-    return dict(max_new_tokens=limit, temperature=float(temperature), top_k=top_k or None, top_p=float(top_p),
-                seed=None if seed is None else seed % 2**64, stop=stop or None, n=n, ignore_eos=bool(body.get(
+    return dict(max_new_tokens=limit, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed,
+                stop=list(o.stop) if o.stop else None, n=n, ignore_eos=bool(body.get(
                     "ignore_eos")), stream=bool(body.get("stream")), usage=bool((options or {}).get("include_usage")),
                 grammar=grammar(body.get("response_format")))
 

@@ -94,3 +94,18 @@ def test_no_module_of_the_model_is_assigned_to_while_it_runs(monkeypatch):
     speculative_generate(target, [1, 20, 21, 22, 20, 21], 24, 3, draft=draft, temperature=0)
     generate(pooled, [[1, 20, 21, 22]], 12, backend=compiled, temperature=0)
     assert assigned == []
+
+
+def test_a_bad_sampling_option_gets_the_same_words_from_the_library_and_the_command_lines(llm):
+    from conftest import errors_of
+    from engine import Engine, Request
+    from launcher import command
+    with pytest.raises(ValueError) as library:
+        llm.generate(PROMPTS[0], temperature=-1.0)
+    with pytest.raises(ValueError) as engine:
+        Engine(llm.model, blocks=8).add(Request([1, 2], temperature=-1.0))
+    said = str(library.value)
+    assert said == str(engine.value) == "temperature must be a finite number >= 0, got -1.0"
+    for script in ("generate.py", "chat.py", "speculative.py"):
+        r = command(script, "--checkpoint_path", BUILTIN, "--temperature", "-1", text=True)
+        assert r.returncode == 2 and errors_of(r.stderr)[-1].endswith(f"--{said}"), (script, r.stderr)
