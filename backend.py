@@ -1,4 +1,5 @@
-"""Which implementation runs a model's forward passes, chosen once, in one place, for every decoding loop.
+"""Which implementation runs a model's forward passes, chosen once, in one place, for every decoding loop and for
+the engine (Paged, at the end).
 
 A Backend has the same few methods whatever runs underneath: prefill (a prompt), decode (each row's next tokens),
 verify (a speculative pass over a few positions, a token tree's mask and positions included), greedy (decode's
@@ -150,3 +151,85 @@ class Backend:
 
 def causal(M: int, base: int) -> Tensor:  # -> [M, base + M]: M positions after base, each seeing its past
     return torch.ones(M, base + M, dtype=torch.bool).tril(base)
+
+
+class Paged:
+    """The engine's forward passes over its paged KV pool (paged.py), on the fastest exact implementation here,
+    chosen once: on the CPU kernels the C++ step over the pool (a decode step's rows, and prompts in its pieces, in
+    one call each); on a GPU with the paged attention, decode steps as CUDA graphs (cuda_step.py); else model.py's
+    forward through the pool's views, attending straight over the pool where a kernel can (a few query rows)."""
+
+    def __init__(self, model, pool, kv_dtype, max_rows: int):
+        from paged import PagedCache
+        kv_dtype = kv_dtype or model.norm.weight.dtype
+        self.model, self.context = model, model.max_seq_length
+        self.cache = PagedCache(model, pool, kv_dtype, attend_paged_kernel(model, pool.block_size, kv_dtype))
+        self.cpp = paged_step(model, self.cache)
+        self.graphs = None
+        if self.cache.attend is not None and model.norm.weight.is_cuda:
+            import cuda_step
+            self.graphs = cuda_step.Graphs(model, self.cache, max_rows, self.context)
+        self.logits = torch.empty(max_rows, model.args.vocab_size) if self.cpp is not None else None
+
+    def describe(self) -> str:
+        return ("CUDA graphs of the decode step" if self.graphs is not None else "the C++ step over the pool"
+                if self.cpp is not None else "model.py's forward over the pool")
+
+    def decode(self, tokens: list[int], pos: list[int], tables: list[list[int]]) -> Tensor:  # -> [B, V]
+        """The next logits of rows that each add one token at position pos[i], reading the blocks tables[i]."""
+        if self.graphs is not None:
+            return self.graphs.decode(tokens, pos, tables)
+        if self.cpp is None:
+            return self.forward([[t] for t in tokens], pos, tables, last=False)[:, -1]
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, W]
+        self.cpp.cpp.paged(torch.tensor(tokens)[:, None], torch.tensor(pos)[:, None], table, self.logits)
+        return self.logits[: len(tokens)]
+
+    def prefill(self, chunk: list[int], start: int, blocks: list[int]) -> Tensor:  # -> [1, V]
+        """The logits after a chunk of a prompt from position start, whose K and V it writes: in C++ pieces
+        (Step.piece tokens, each token then computed as alone, however the prompt is cut), else model.py's."""
+        if self.cpp is None:
+            return self.forward([chunk], [start], [blocks], last=True)[:, -1]
+        table, logits = torch.tensor([blocks]), torch.empty(1, self.logits.size(1))  # [1, W], [1, V]
+        for i in range(0, len(chunk), self.cpp.piece):
+            piece = chunk[i : i + self.cpp.piece]
+            self.cpp.cpp.paged(torch.tensor([piece]), torch.arange(start + i, start + i + len(piece))[None], table,
+                               logits)
+        return logits
+
+    def forward(self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], last: bool) -> Tensor:
+        """model.py's forward over rows that each add their chunk (equal lengths) from position starts[i]."""
+        from model import kv_bucket
+        size, device = self.cache.pool.block_size, self.model.norm.weight.device
+        S, width = len(chunks[0]), max(map(len, tables))
+        pos = torch.tensor([[s + j for j in range(S)] for s in starts], device=device)  # [B, S]
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)  # [B, W]
+        slots = table.gather(1, pos // size) * size + pos % size  # [B, S]
+        # [B, S, L]: its own past; as many slots as a lone sequence's step reads (kv_bucket), for the same rounding
+        L = max(width * size, kv_bucket(int(pos.max()) + 1, self.context))
+        mask = torch.arange(L, device=device) <= pos[..., None]
+        return self.cache.forward(torch.tensor(chunks, device=device), slots, pos, table, mask, last)
+
+
+def attend_paged_kernel(model, block_size: int, kv_dtype) -> Optional[Callable]:
+    """Attention straight over the pool: cpu_gemv.attend_paged for a model on the CPU kernels (its attention is
+    theirs), cuda_gemv.attend_paged on a GPU (a float cache, no sliding window); else None (the rows gathered)."""
+    import cpu_gemv
+    if model.cache_type is cpu_gemv.KernelCache:
+        return cpu_gemv.attend_paged
+    if model.norm.weight.is_cuda and kv_dtype.is_floating_point and not model.args.sliding_window:
+        import cuda_gemv
+        return cuda_gemv.attend_paged if cuda_gemv.pages_ok(model.args.head_dim, block_size) else None
+    return None
+
+
+def paged_step(model, cache):
+    """The C++ decode step (cpu_step.py) over cache's pools, or None where it cannot run model exactly."""
+    if cache.attend is None or model.args.sliding_window or cache.k[0].dtype != torch.bfloat16:
+        return None
+    import cpu_step
+    step = cpu_step.step_for(model)
+    if step is not None:
+        step.cpp.set_pools(cache.k, cache.v)
+    return step

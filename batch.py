@@ -83,7 +83,7 @@ def main(argv=None):
     print(f"{len(prompts)} requests ({sum(a.error is not None for a in answers)} refused) in {seconds:.2f} s: "
           f"{s['generated'] / seconds:.1f} new tokens/s; {s['prompt_tokens']} prompt tokens, {s['cached_tokens']} "
           f"of them from the prefix cache; peak KV {s['peak_blocks']} of {pool.n_blocks} blocks "
-          f"({s['peak_blocks'] * llm.engine.cache.bytes_per_block() / 1e6:.1f} MB); {s['preempted']} preemptions",
+          f"({s['peak_blocks'] * llm.engine.passes.cache.bytes_per_block() / 1e6:.1f} MB); {s['preempted']} preemptions",
           file=sys.stderr)
     refused = [a.error for a in answers if a.error is not None]
     if len(refused) == len(answers):  # the answers are written, but nothing ran: a failure for whoever called

@@ -15,33 +15,9 @@ from typing import Callable, Optional
 
 import torch
 
-from model import kv_bucket
-from paged import BlockPool, PagedCache, block_hash
+from backend import Paged
+from paged import BlockPool, block_hash
 from sampling import NOT_FINITE, Sampling, pick
-
-
-def attend_paged_kernel(model, block_size: int, kv_dtype) -> Optional[Callable]:
-    """Attention straight over the pool: cpu_gemv.attend_paged for a model on the CPU kernels (its attention is
-    theirs), cuda_gemv.attend_paged on a GPU (a float cache, no sliding window); else None (the rows gathered)."""
-    import cpu_gemv
-    if model.cache_type is cpu_gemv.KernelCache:  # the model's attention runs on the CPU kernels
-        return cpu_gemv.attend_paged
-    if model.norm.weight.is_cuda and kv_dtype.is_floating_point and not model.args.sliding_window:
-        import cuda_gemv
-        return cuda_gemv.attend_paged if cuda_gemv.pages_ok(model.args.head_dim, block_size) else None
-    return None
-
-
-def paged_step(model, cache: PagedCache):
-    """The C++ decode step (cpu_step.py) over cache's pools: the decoding rows' whole forward pass in one call, no
-    Python between the layers; None where it cannot run model exactly (the model's forward over the pool then)."""
-    if cache.attend is None or model.args.sliding_window or cache.k[0].dtype != torch.bfloat16:
-        return None
-    import cpu_step
-    step = cpu_step.step_for(model)
-    if step is not None:
-        step.cpp.set_pools(cache.k, cache.v)
-    return step
 
 
 @dataclass(eq=False)
@@ -96,13 +72,7 @@ class Engine:
         blocks = blocks or max(max_rows * self.context * 2 // (5 * block_size), -(-self.context // block_size))
         self.pool = BlockPool(blocks, block_size)
         kv_dtype = kv_dtype or model.norm.weight.dtype
-        self.cache = PagedCache(model, self.pool, kv_dtype, attend_paged_kernel(model, block_size, kv_dtype))
-        self.cpp = paged_step(model, self.cache)
-        self.graphs = None  # on a GPU with the paged attention: decode steps as CUDA graphs (cuda_step.py)
-        if self.cache.attend is not None and model.norm.weight.is_cuda:
-            import cuda_step
-            self.graphs = cuda_step.Graphs(model, self.cache, max_rows, self.context)
-        self.logits = torch.empty(max_rows, model.args.vocab_size) if self.cpp is not None else None
+        self.passes = Paged(model, self.pool, kv_dtype, max_rows)  # how its forward passes run (backend.py)
         self.waiting: deque = deque()
         self.running: list[Request] = []
         self.grammar_tokenizer = None
@@ -306,27 +276,14 @@ class Engine:
         for r, n in work:
             r.computed += n
             self.register(r)
-        if due:  # every row's check and greedy pick in one op each, read back once
+        if due:  # every row's check and pick together (sampling.pick), its grammar's mask applied first
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, V]
-            finite, greedy = torch.isfinite(rows.sum(-1)).tolist(), rows.argmax(-1).tolist()
-            for r, token in zip(due, self.pick(due, rows, finite, greedy)):
-                self.emit(r, token)
-        return due
-
-    def pick(self, due: list[Request], rows, finite: list[bool], greedy: list[int]) -> list[Optional[int]]:
-        """Each due row's next token from its logits (rows [N, V]): its grammar's mask applied, then sampling.pick,
-        the sampled rows together; None where the logits are not finite."""
-        picks: list[Optional[int]] = [g if ok else None for g, ok in zip(greedy, finite)]
-        drawn = [i for i, r in enumerate(due) if finite[i] and (r.matcher is not None or r.temperature > 0)]
-        if drawn:
-            rs = [due[i] for i in drawn]
-            masks = [self.allowed(r, rows.size(-1)) for r in rs]  # [V] bool, or None without a grammar
+            masks = [self.allowed(r, rows.size(-1)) for r in due]  # [V] bool, or None without a grammar
             every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
             ok = torch.stack([every if m is None else m for m in masks]) if any(m is not None for m in masks) else None
-            tokens = pick(rows[drawn], rs, [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in rs], ok)
-            for i, token in zip(drawn, tokens):
-                picks[i] = token if token != NOT_FINITE else None
-        return picks
+            for r, token in zip(due, pick(rows, due, [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in due], ok)):
+                self.emit(r, None if token == NOT_FINITE else token)
+        return due
 
     def allowed(self, r: Request, vocab: int):  # -> [V] bool, the tokens r's grammar allows now; None: no grammar
         import guided
@@ -336,44 +293,11 @@ class Engine:
         r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
         return guided.allowed_tokens(bits.to(self.model.norm.weight.device), vocab)[0]
 
-    def decode(self, rows: list[Request]):  # -> [B, V]
-        """The next token's logits of rows that each add their last token: in one C++ call where it runs the model,
-        as a CUDA graph's replay on a GPU."""
-        if self.graphs is not None:
-            return self.graphs.decode([r.tokens[-1] for r in rows], [r.computed for r in rows],
-                                      [r.blocks for r in rows])
-        if self.cpp is None:
-            return self.forward(rows, [r.tokens[-1:] for r in rows], last=False)[:, -1]
-        width = max(len(r.blocks) for r in rows)
-        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows])  # [B, W]
-        tokens, pos = torch.tensor([[r.tokens[-1]] for r in rows]), torch.tensor([[r.computed] for r in rows])  # [B, 1]
-        self.cpp.cpp.paged(tokens, pos, table, self.logits)
-        return self.logits[: len(rows)]
+    def decode(self, rows: list[Request]):  # -> [B, V]: the next token's logits of rows adding their last one
+        return self.passes.decode([r.tokens[-1] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
 
-    def prefill(self, r: Request, chunk: list[int]):  # -> [1, V]
-        """The logits after a chunk of r's prompt, whose K and V it writes: in C++ pieces (Step.piece tokens) where
-        the step runs the model (each token then computed as alone, however the prompt is cut), else model.py's."""
-        if self.cpp is None:
-            return self.forward([r], [chunk], last=True)[:, -1]
-        table, logits = torch.tensor([r.blocks]), torch.empty(1, self.logits.size(1))  # [1, W], [1, V]
-        for i in range(0, len(chunk), self.cpp.piece):
-            piece = chunk[i : i + self.cpp.piece]
-            pos = torch.arange(r.computed + i, r.computed + i + len(piece))[None]  # [1, S]
-            self.cpp.cpp.paged(torch.tensor([piece]), pos, table, logits)
-        return logits
-
-    def forward(self, rows: list[Request], chunks: list[list[int]], last: bool):
-        """One forward pass over rows that each add their chunk (equal lengths) after their computed tokens."""
-        size, device = self.pool.block_size, self.model.norm.weight.device
-        S, width = len(chunks[0]), max(len(r.blocks) for r in rows)
-        pos = torch.tensor([[r.computed + j for j in range(S)] for r in rows], device=device)  # [B, S]
-        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in rows], device=device)  # [B, W]
-        slots = table.gather(1, pos // size) * size + pos % size  # [B, S]
-        # [B, S, L]: its own past; as many slots as a lone sequence's step reads (kv_bucket), for the same rounding
-        L = max(width * size, kv_bucket(int(pos.max()) + 1, self.context))
-        mask = torch.arange(L, device=device) <= pos[..., None]
-        idx = torch.tensor(chunks, device=device)
-        return self.cache.forward(idx, slots, pos, table, mask, last)
+    def prefill(self, r: Request, chunk: list[int]):  # -> [1, V]: the logits after a chunk of r's prompt
+        return self.passes.prefill(chunk, r.computed, r.blocks)
 
     def register(self, r: Request):  # its blocks filled this step, now shareable by content
         size, tokens = self.pool.block_size, r.tokens

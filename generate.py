@@ -49,7 +49,7 @@ def allowed(bits, vocab_size: int):  # bits [N, W] int32 (a grammar's bitmask) o
     return None if bits is None else guided.allowed_tokens(bits, vocab_size)
 
 
-def picked(backend: Backend, logits, options: Sampling, u: Optional[list], i: int, bits=None):  # logits [B, V] -> [B]
+def picked(logits, options: Sampling, u: Optional[list], i: int, bits=None):  # logits [B, V] -> [B]
     """Each row's token i from its logits, as sampling.pick draws it; bits [B, W] (a grammar's mask) or None."""
     if u is None:  # greedy: on the device, no sync
         finite = torch.isfinite(logits.sum(-1))
@@ -58,6 +58,38 @@ def picked(backend: Backend, logits, options: Sampling, u: Optional[list], i: in
                            NOT_FINITE)
     return torch.tensor(pick(logits, [options] * logits.size(0), [row[i] for row in u],
                              allowed(bits, logits.size(-1))), device=logits.device)
+
+
+class Answer:
+    """One answer's bookkeeping in the loops that add tokens a round at a time (speculation, token trees): tokens
+    in, "done?" out. It ends at an end-of-sequence id, at max_new_tokens or at a stop string (see stop_strings;
+    the check decodes only the round's new text); the callback sees the tokens after every round; a NaN's token
+    is the loop's error."""
+
+    def __init__(self, max_new_tokens: int, eos_ids=None, stop: Optional[Callable] = None,
+                 callback: Optional[Callable] = None):
+        self.out, self.limit, self.eos, self.stop, self.callback = [], max_new_tokens, set(eos_ids or ()), stop, callback
+        self.done, self.seen = False, 0
+
+    def add(self, tokens: list[int], each: Optional[Callable] = None):
+        """Take tokens up to an end; each(token) -> True ends the answer after that token too (a grammar)."""
+        for t in tokens:
+            if t == NOT_FINITE:
+                raise not_finite(len(self.out))
+            self.out.append(t)
+            ended = each is not None and each(t)
+            if ended or t in self.eos or len(self.out) >= self.limit:
+                self.done = True
+                return
+
+    def round(self) -> bool:
+        """The round is over: the callback, the stop strings; whether the answer is done."""
+        if self.callback is not None:
+            self.callback(self.out)
+        if not self.done and self.stop is not None:
+            self.done = self.stop(self.out, len(self.out) - self.seen) < len(self.out)
+        self.seen = len(self.out)
+        return self.done
 
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
@@ -124,7 +156,7 @@ def decode_n_tokens(backend: Backend, out, pos: int, left_pad, eos, callback: Op
         kv_len = kv_bucket(pos + i, backend.model.max_seq_length)
         cur = out[:, i - 1 : i].clamp(min=0)  # a valid id even after NOT_FINITE; the check above stops the loop
         nxt = backend.greedy(cur, input_pos, left_pad, kv_len) if u is None else \
-            picked(backend, backend.decode(cur, input_pos, left_pad, kv_len), options, u, i)
+            picked(backend.decode(cur, input_pos, left_pad, kv_len), options, u, i)
         input_pos += 1  # in place: the compiled step reads the same tensor every time
         if done is not None:  # a finished row keeps emitting EOS, so shapes stay fixed
             nxt = torch.where(done, fill, nxt)
@@ -180,9 +212,10 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     if any(len(p) < T for p in prompts):
         left_pad = torch.tensor([T - len(p) for p in prompts], device=device)
     if guide is not None:
+        answers = [Answer(max_new_tokens, eos_ids, stop, callback if b == 0 else None) for b in range(B)]
         rows, prefill_s, decode_s, forwards, incomplete = guided.generate_guided(
-            backend, idx, left_pad, cached, max_new_tokens, eos_ids, callback, stop, guide, device_sync,
-            not_finite, lambda logits, bits, i: picked(backend, logits, options, u, i, bits))
+            backend, idx, left_pad, cached, max_new_tokens, eos_ids, guide, device_sync, answers,
+            lambda logits, bits, i: picked(logits, options, u, i, bits))
         return Generation([cut(r, eos_ids, stop) for r in rows], B * (T - cached), prefill_s, decode_s,
                           sum(map(len, rows)) - B, forwards, peak_memory_gb(device), forced=guide.forced,
                           incomplete=incomplete)
@@ -193,7 +226,7 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     t0 = time.perf_counter()
     logits = backend.prefill(idx[:, cached:], torch.arange(cached, T, device=device), left_pad,
                              kv_bucket(T, model.max_seq_length))
-    out[:, 0] = picked(backend, logits, options, u, 0)
+    out[:, 0] = picked(logits, options, u, 0)
     if callback is not None:
         stream(callback, out[0, :1].tolist())
     device_sync(device)

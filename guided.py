@@ -225,15 +225,16 @@ def allowed_tokens(bits: Tensor, vocab_size: int) -> Tensor:  # bits [..., W] in
 
 # ---- the loop ------------------------------------------------------------------------------------------------------
 
-def generate_guided(backend, idx, left_pad, cached: int, max_new_tokens: int, eos_ids, callback, stop,
-                    guide: Guide, sync, not_finite, pick) -> tuple[list[list[int]], float, float, int, list[int]]:
+def generate_guided(backend, idx, left_pad, cached: int, max_new_tokens: int, eos_ids, guide: Guide, sync, answers,
+                    pick) -> tuple[list[list[int]], float, float, int, list[int]]:
     """generate.generate's loop under grammars (idx [B, T], left-padded): each row's tokens, the prefill and decode
-    seconds, the forward passes after prefill, and the rows cut by max_new_tokens before their grammar was complete. Each step the host needs the sampled tokens to advance the
-    matchers: that is the step's one sync. The next mask is computed on a CPU thread while the forward pass runs,
-    and is applied on the device by pick(logits [B, V], bits [B, W], i) -> [B], the rows' token i. At batch 1 the
-    tokens the grammar forces are fed in one forward pass with the sampled one (fast-forward). A row ends at EOS, at
-    a stop string, or once its grammar is complete. sync(device) waits for the device; not_finite(i) is the error
-    for a damaged token i."""
+    seconds, the forward passes after prefill, and the rows cut by max_new_tokens before their grammar was
+    complete. Each step the host needs the sampled tokens to advance the matchers: that is the step's one sync.
+    The next mask is computed on a CPU thread while the forward pass runs, and is applied on the device by
+    pick(logits [B, V], bits [B, W], i) -> [B], the rows' token i. At batch 1 the tokens the grammar forces are fed
+    in one forward pass with the sampled one (fast-forward). answers: each row's generate.Answer (its end-of-sequence
+    ids, stop strings and callback); a row also ends once its grammar is complete. sync(device) waits for the
+    device."""
     model, device, (B, T) = backend.model, idx.device, idx.shape
     eos, fill = set(eos_ids or ()), (list(eos_ids or ()) or [0])[0]
     slots = torch.arange(T + max_new_tokens, device=device)  # positions are slices of this: no allocation
@@ -243,7 +244,7 @@ def generate_guided(backend, idx, left_pad, cached: int, max_new_tokens: int, eo
         return mask.result() if device.type == "cpu" else bits.copy_(mask.result(), non_blocking=True)
 
     guide.reset()
-    rows, done, forwards = [[] for _ in range(B)], [False] * B, 0
+    forwards = 0
     sync(device)
     t0 = time.perf_counter()
     mask = guide.fill_async()
@@ -252,33 +253,25 @@ def generate_guided(backend, idx, left_pad, cached: int, max_new_tokens: int, eo
     t1 = time.perf_counter()
     pos = T
     while True:
-        for b, t in enumerate(tokens):
-            if done[b]:
-                continue
-            if t < 0:  # generate.NOT_FINITE
-                raise not_finite(len(rows[b]))
-            rows[b].append(t)
-            if t not in eos:
-                guide.consume(b, t)
-            done[b] = t in eos or guide.complete(b) or len(rows[b]) >= max_new_tokens or \
-                stop is not None and stop(rows[b]) < len(rows[b])
-        feed = [[fill if d else t] for t, d in zip(tokens, done)]
-        if B == 1 and not done[0]:  # forced tokens go in with the sampled one; batch rows would need own positions
-            forced = guide.fast_forward(0, max_new_tokens - len(rows[0]))
-            rows[0] += forced
+        for b, (t, a) in enumerate(zip(tokens, answers)):
+            if not a.done:
+                a.add([t], lambda t, b=b: t not in eos and (guide.consume(b, t) or guide.complete(b)))
+        feed = [[fill if a.done else t] for t, a in zip(tokens, answers)]
+        if B == 1 and not answers[0].done:  # forced tokens go in with the sampled one; batch rows need own positions
+            forced = guide.fast_forward(0, max_new_tokens - len(answers[0].out))
+            answers[0].out += forced
             feed[0] += forced
-            done[0] = guide.complete(0) or len(rows[0]) >= max_new_tokens
-        if callback is not None:
-            callback(rows[0])
-        if all(done):
+            answers[0].done = guide.complete(0) or len(answers[0].out) >= max_new_tokens
+        if all([a.round() for a in answers]):  # (every row's callback and stop strings)
             break
         S = len(feed[0])
-        mask = guide.fill_async(done)  # on the CPU thread, while the forward pass runs
+        mask = guide.fill_async([a.done for a in answers])  # on the CPU thread, while the forward pass runs
         logits = backend.decode(torch.tensor(feed, device=device), slots[pos : pos + S], left_pad,
                                 kv_bucket(pos + S, model.max_seq_length))
-        tokens = pick(logits, upload(mask), len(rows[0]) if B == 1 else forwards + 1).tolist()
+        tokens = pick(logits, upload(mask), len(answers[0].out) if B == 1 else forwards + 1).tolist()
         pos, forwards = pos + S, forwards + 1
     sync(device)
+    rows = [a.out for a in answers]
     incomplete = [b for b, r in enumerate(rows) if len(r) >= max_new_tokens and not eos & set(r) and
                   guide.incomplete(b)]
     return rows, t1 - t0, time.perf_counter() - t1, forwards, incomplete

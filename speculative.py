@@ -127,25 +127,16 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         drafter.prefill(idx[:, cached:], slots[cached:T], None, kv_bucket(T, draft.max_seq_length))
     device_sync(device)
     prefill_s = time.perf_counter() - t0
-    out, emitted, accepted, drafted, eos = [], [cur], [0] * (k + 1), 0, set(eos_ids or ())
-    if cur == NOT_FINITE:
-        raise generate.not_finite(0)
+    answer, emitted, accepted, drafted = generate.Answer(max_new_tokens, eos_ids, stop, callback), [cur], [0] * (k + 1), 0
+    out, eos = answer.out, answer.eos
+    consume = (lambda t: t not in eos and (guide.consume(0, t) or guide.complete(0))) if guide is not None else None
     pos = T  # the cache slot of `cur`, the last emitted token, which the target has not seen yet
     while True:
-        complete, seen = False, len(out)
-        for token in emitted:
-            out.append(token)
-            if guide is not None and token not in eos:
-                guide.consume(0, token)
-                complete = guide.complete(0)
-            if token in eos or len(out) >= max_new_tokens or complete:
-                break
-        forced = guide.fast_forward(0, min(k, max_new_tokens - len(out))) if guide and not complete else []
+        answer.add(emitted, consume)
+        forced = guide.fast_forward(0, min(k, max_new_tokens - len(out))) if guide and not answer.done else []
         out += forced  # output as they are, and fed to the target (and the draft) ahead of this round's proposals
-        if callback is not None:
-            callback(out)
-        cut = stop is not None and stop(out, len(out) - seen) < len(out)  # (the check decodes only the new text)
-        if out[-1] in eos or len(out) >= max_new_tokens or complete or cut or guide is not None and guide.complete(0):
+        answer.done |= bool(forced) and (len(out) >= max_new_tokens or guide.complete(0))
+        if answer.round():
             break
         f, t_round, masks, n_out = len(forced), time.perf_counter(), None, len(out)
         proposed = []
@@ -183,9 +174,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
         picks = pick(logits[-(m + 1):], [options] * (m + 1), u[n_out : n_out + m + 1],  # the round's one host sync
                      None if masks is None else generate.allowed(upload(masks), V))
         n = next((j for j in range(m) if picks[j] != proposed[j]), m)  # the guesses the target draws too
-        cur = picks[n]
-        if cur == NOT_FINITE:
-            raise generate.not_finite(len(out) + n)
+        cur = picks[n]  # (NOT_FINITE ends the next round's add with the error)
         t_accept = time.perf_counter()
         if draft is not None and n == m:  # the draft never saw t, its own last proposal: put it in its cache
             drafter.decode(t, slots[pos + f + m : pos + f + m + 1], None,

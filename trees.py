@@ -32,7 +32,7 @@ import generate
 from backend import Backend
 from generate import Generation, device_sync, peak_memory_gb
 from model import kv_bucket
-from sampling import NOT_FINITE, Sampling, pick
+from sampling import Sampling, pick
 
 
 def reserve(models: list, T: int, max_new_tokens: int, extra: int, what: str, cached: int) -> int:
@@ -541,21 +541,12 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
     if not sizer.cost:  # once, untimed; slots from T on are free until the first round writes them
         sizer.measure(backend, T, slots, max_nodes)
         t0 = time.perf_counter() - prefill_s
-    if cur == NOT_FINITE:
-        raise generate.not_finite(0)
-    out, emitted, accepted, eos, pos, proposed, sizes = [], [cur], [], set(eos_ids or ()), T, 0, {}
-    methods, made = {}, None  # the new tokens after the first, by the method of the round that made them
+    answer, emitted, accepted, pos, proposed, sizes = generate.Answer(max_new_tokens, eos_ids, stop, callback), [cur], \
+        [], T, 0, {}
+    out, methods, made = answer.out, {}, None  # the new tokens after the first, by the method of the round that made them
     while True:
-        seen = len(out)
-        for token in emitted:
-            out.append(token)
-            if made is not None:
-                methods[made] = methods.get(made, 0) + 1
-            if token in eos or len(out) >= max_new_tokens:
-                break
-        if callback is not None:
-            callback(out)
-        if out[-1] in eos or len(out) >= max_new_tokens or stop is not None and stop(out, len(out) - seen) < len(out):
+        answer.add(emitted, lambda t: made is not None and methods.__setitem__(made, methods.get(made, 0) + 1))
+        if answer.round():
             break
         t = time.perf_counter()
         full = proposer.propose(prompt + out, max_nodes, sizer.worth) if sizer.pays() else None
@@ -569,9 +560,7 @@ def tree_generate(model, prompt: list[int], max_new_tokens: int, proposer, max_n
             path, p = [0], None
             logits = backend.decode(torch.tensor([[out[-1]]], device=device), slots[pos : pos + 1], None,
                                     kv_bucket(pos + 1, model.max_seq_length))
-            nxt = pick(logits, [options], u[len(out) : len(out) + 1])[0]
-        if nxt == NOT_FINITE:  # (a damaged row on the path; off it, a NaN is never drawn)
-            raise generate.not_finite(len(out))
+            nxt = pick(logits, [options], u[len(out) : len(out) + 1])[0]  # (NOT_FINITE: the next add's error)
         if full is not None:
             proposer.accepted([kept[i] for i in path], tree, p)
         sizer.update(tree, len(path) - 1, t_verify - t if full is not None else None, time.perf_counter() - t)

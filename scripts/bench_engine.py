@@ -130,7 +130,7 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
             ours.append(run_ours(engine, reqs, sampling))
             if url:
                 theirs.append(run_theirs(url, reqs, args.concurrency, sampling))
-    per_block = engine.cache.bytes_per_block()
+    per_block = engine.passes.cache.bytes_per_block()
     static = args.concurrency * longest * per_block / engine.pool.block_size
     peak = max(r["peak_blocks"] for r in ours) * per_block
     median = lambda rounds, key: statistics.median(r[key] for r in rounds)  # noqa: E731

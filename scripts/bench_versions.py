@@ -64,14 +64,14 @@ def run(tree: Path, args: list, flags: list, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def cases(work: Path, new_tokens: int, prefill: int, engine: bool) -> list:
+def cases(work: Path, tmp: Path, new_tokens: int, prefill: int, engine: bool) -> list:
     """(name, figure, command, metrics file, how to read the figure) of every measurement."""
     import bench
     paths = {f"TinyLlama-{w}": bench.checkpoint("TinyLlama-1.1B", w, work) for w in ("bf16", "int8", "int4")}
     paths.update(smollm2_imports(work))
-    out, metrics = [], work / "metrics.json"
+    out, metrics = [], tmp / "metrics.json"
     for name, path in paths.items():
-        cmd = ["generate.py", "--checkpoint_path", path, "--prompt_file", prompt_file(path, work, prefill),
+        cmd = ["generate.py", "--checkpoint_path", path, "--prompt_file", prompt_file(path, tmp, prefill),
                "--max_new_tokens", new_tokens, "--temperature", 0, "--ignore_eos", "--num_samples", 2,
                "--metrics_json", metrics]
         out.append((name, "decode tok/s", cmd, metrics, lambda m: m["decode_tokens_per_sec"]))
@@ -82,7 +82,7 @@ def cases(work: Path, new_tokens: int, prefill: int, engine: bool) -> list:
             "--temperature", 0, "--num_samples", 2, "--metrics_json", metrics]
     out.append(("built-in pair", "speculation (auto) tok/s", spec, metrics, lambda m: m["decode_tokens_per_sec"]))
     if engine:
-        eng = work / "engine.json"
+        eng = tmp / "engine.json"
         for model in ("smollm2-int8", "smollm2-int4"):
             cmd = ["scripts/bench_engine.py", "--models", model, "--json", eng]
             out.append((model, "engine tok/s (64 requests, 16 at a time)", cmd, eng,
@@ -100,7 +100,10 @@ def main():
     p.add_argument("--new_tokens", type=cli.positive_int, default=128, help="tokens decoded per run")
     p.add_argument("--prefill", type=cli.positive_int, default=512, help="prompt tokens per run")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True, help="the engine's cases too")
+    p.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these (e.g. smollm2)")
     p.add_argument("--json", type=Path, default=Path("bench_versions.json"), help="where to write the figures")
+    p.add_argument("--work_dir", type=Path, default=Path("/tmp/fast-decode-bench"), help="where the random-weight "
+                   "and imported checkpoints are kept between runs")
     args = p.parse_args()
     for tree in (args.old, args.new):
         if not (tree / "generate.py").is_file():
@@ -108,8 +111,10 @@ def main():
     cli.check_output_file(args.json, "--json", '"cases"')
     flags = {"old": shlex.split(args.old_flags), "new": shlex.split(args.new_flags)}
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
-    with tempfile.TemporaryDirectory(prefix="bench_versions-") as tmp:
-        todo = cases(Path(tmp), args.new_tokens, args.prefill, args.engine)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench_versions-", dir=args.work_dir) as tmp:
+        todo = [c for c in cases(args.work_dir, Path(tmp), args.new_tokens, args.prefill, args.engine)
+                if not args.cases or any(w.lower() in c[0].lower() for w in args.cases)]
         seen = {(name, figure): {"old": [], "new": []} for name, figure, *_ in todo}
         for r in range(args.rounds):
             for name, figure, cmd, metrics, read in todo:

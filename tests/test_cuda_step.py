@@ -35,13 +35,18 @@ def decoding_engine(model, rows: int) -> Engine:
     return engine
 
 
+def forward(engine: Engine, rows: list):  # the engine's own model.py pass for rows adding their last token
+    return engine.passes.forward([r.tokens[-1:] for r in rows], [r.computed for r in rows], [r.blocks for r in rows],
+                                 last=False)
+
+
 def test_a_padded_fixed_shape_step_gives_each_row_the_logits_of_the_engines_own_step():
     model = tiny()
     engine = decoding_engine(model, 3)  # padded to 4
     rows = engine.running
     with torch.inference_mode():
-        want = engine.forward(rows, [r.tokens[-1:] for r in rows], last=False)[:, -1]  # [3, V]
-    graphs = Graphs(model, engine.cache, max_rows=8, context=engine.context, record=False)
+        want = forward(engine, rows)[:, -1]  # [3, V]
+    graphs = Graphs(model, engine.passes.cache, max_rows=8, context=engine.context, record=False)
     got = graphs.decode([r.tokens[-1] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
@@ -50,13 +55,13 @@ def test_a_padded_fixed_shape_step_gives_each_row_the_logits_of_the_engines_own_
 def test_padding_rows_write_the_spare_block_and_no_other():
     model = tiny()
     engine = decoding_engine(model, 3)
-    rows, spare = engine.running, engine.cache.spare
+    rows, spare = engine.running, engine.passes.cache.spare
     with torch.inference_mode():  # the rows' own K and V written once already
-        engine.forward(rows, [r.tokens[-1:] for r in rows], last=False)
-    before = [t.clone() for t in engine.cache.k + engine.cache.v]
-    graphs = Graphs(model, engine.cache, max_rows=8, context=engine.context, record=False)
+        forward(engine, rows)
+    before = [t.clone() for t in engine.passes.cache.k + engine.passes.cache.v]
+    graphs = Graphs(model, engine.passes.cache, max_rows=8, context=engine.context, record=False)
     graphs.decode([r.tokens[-1] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
-    after, size = engine.cache.k + engine.cache.v, engine.pool.block_size
+    after, size = engine.passes.cache.k + engine.passes.cache.v, engine.pool.block_size
     mine = torch.zeros(spare + 1, size, dtype=torch.bool)  # the slots of the rows' new tokens: written again
     for r in rows:
         mine[r.blocks[r.computed // size], r.computed % size] = True
@@ -71,14 +76,14 @@ def test_padding_rows_write_the_spare_block_and_no_other():
 INTERPRETED = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
-import cuda_gemv, engine
+import backend, cuda_gemv, engine
 from cuda_step import Graphs
 from test_engine import alone, prompts, tiny
-engine.attend_paged_kernel = lambda *args: cuda_gemv.attend_paged  # the GPU's attention, on CPU tensors
+backend.attend_paged_kernel = lambda *args: cuda_gemv.attend_paged  # the GPU's attention, on CPU tensors
 model = tiny(dim=64)
 ps = prompts(7, 5, 5, 60)
 e = engine.Engine(model, blocks=80, block_size=16, max_rows=4, budget=40)  # 3 rows pad to 4; chunks of 40
-e.graphs = Graphs(model, e.cache, 4, e.context, record=False)
+e.passes.graphs = Graphs(model, e.passes.cache, 4, e.context, record=False)
 done = e.run([engine.Request(p, max_new_tokens=12) for p in ps])
 print(json.dumps([[r.out for r in done], [alone(model, p, 12) for p in ps]]))
 """
@@ -101,6 +106,6 @@ def test_on_a_gpu_decode_steps_replay_cuda_graphs_and_give_each_request_its_toke
     ps = prompts(5, 6, 5, 60)
     want = [alone(model, p, 20) for p in ps]
     engine = Engine(model, blocks=200, block_size=16, max_rows=4)
-    assert engine.graphs is not None and sorted(engine.graphs.graphs) == [1, 2, 4]
+    assert engine.passes.graphs is not None and sorted(engine.passes.graphs.graphs) == [1, 2, 4]
     done = engine.run([Request(p, max_new_tokens=20) for p in ps])
     assert [r.out for r in done] == want and pool_is_whole(engine)

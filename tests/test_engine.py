@@ -207,8 +207,8 @@ def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights
     rng, engine, live = random.Random(0), Engine(model, blocks=200, max_rows=8), []
     # decode steps as one C++ call over the pool, as the compiled batch-1 step is; where that step cannot run the
     # model (int4 here: its hidden size is no multiple of 64), both run model.py's forward
-    assert (engine.cpp is not None) == (weights != "int4") and engine.cache.attend is cpu_gemv.attend_paged
-    want = [(alone_lone_reference if engine.cpp is not None else alone)(model, p, 24) for p in ps]
+    assert (engine.passes.cpp is not None) == (weights != "int4") and engine.passes.cache.attend is cpu_gemv.attend_paged
+    want = [(alone_lone_reference if engine.passes.cpp is not None else alone)(model, p, 24) for p in ps]
     for p in ps:
         live.append(engine.add(Request(p, max_new_tokens=24)))
         for _ in range(rng.randint(0, 3)):
@@ -222,7 +222,7 @@ def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights
 def bf16_on_kernels(request):
     from test_batch_invariance import bf16_model
     model = bf16_model(32, weights=request.param, kv_heads=8, hidden=128)  # int4's step: hidden a multiple of 64
-    assert Engine(model, blocks=8).cpp is not None  # the engine's rows on the C++ step
+    assert Engine(model, blocks=8).passes.cpp is not None  # the engine's rows on the C++ step
     return model
 
 

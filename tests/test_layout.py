@@ -40,10 +40,10 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
     assert GRAPH["quantize"] <= {"model"} and GRAPH["cpu_gemv"] <= {"model"} and GRAPH["cuda_gemv"] <= {"model"}
     assert GRAPH["cpu_step"] <= {"model", "cpu_gemv"}
     assert GRAPH["tokenizer"] == set() and GRAPH["guided"] <= {"model"}
-    assert GRAPH["cli"] <= {"guided", "cpu_gemv", "cuda_gemv"}  # the guided options and the kernels' one-line description
+    assert GRAPH["cli"] <= {"guided", "cpu_gemv", "cuda_gemv", "sampling"}  # the options, the kernels in a line
     assert GRAPH["checkpoint"] <= {"model", "quantize", "cpu_gemv", "cuda_gemv", "tokenizer", "cli"}
     assert GRAPH["sampling"] == set()  # the one rule every loop and the engine draw with
-    assert GRAPH["backend"] <= {"sampling", "cpu_gemv", "cpu_step"}  # the one place that picks how passes run
+    assert GRAPH["backend"] <= {"sampling", "model", "paged", "cpu_gemv", "cpu_step", "cuda_gemv", "cuda_step"}
     assert GRAPH["generate"] <= {"model", "checkpoint", "tokenizer", "cli", "guided", "backend", "sampling"}
     for entry in ("trees", "eval"):
         assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval", "trees"} - {entry}
@@ -55,7 +55,7 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
 def test_the_paged_cache_needs_only_model_py_and_the_engine_sits_beside_the_decoding_loops():
     assert GRAPH["paged"] <= {"model"}  # its Context
     assert GRAPH["engine"] <= {"paged", "generate", "guided", "cli", "model", "cpu_gemv", "cpu_step", "cuda_gemv",
-                               "cuda_step", "sampling"}
+                               "cuda_step", "sampling", "backend"}
     assert GRAPH["cuda_step"] == set()  # the recorded step takes the cache and the model it is given
     assert "engine" in GRAPH["llm"]
     assert not GRAPH["engine"] & {"speculative", "trees", "llm", "tp", "chat"}
