@@ -19,7 +19,6 @@ from torch import Tensor
 
 from sampling import NOT_FINITE
 
-MAX_ROWS = 32  # cpu_gemv.MAX_ROWS: the most positions of a pass its kernels take as separate rows
 
 
 def last_logits(model, idx, input_pos, left_pad, kv_len):  # idx [B, S], input_pos [S] -> [B, V]
@@ -133,11 +132,16 @@ class Backend:
         """The logits [S, V] after each of tokens [1, S], written at slots input_pos [S]: a chain in order, or a
         token tree with mask [S, kv_len] (the slots each sees) and pos [S] (its RoPE positions)."""
         step = self.alone(tokens, None)
-        if step is None or tokens.size(1) > MAX_ROWS or self.model.args.sliding_window:
+        if step is None or self.model.args.sliding_window:
             return self.rows(self.model, tokens, input_pos, kv_len, mask, pos)
-        S, base = tokens.size(1), int(input_pos[0])
-        mask = causal(S, base) if mask is None else mask[:, : base + S]
-        return step.rows(tokens[0], input_pos if pos is None else pos, base, mask)
+        S, base, pos = tokens.size(1), int(input_pos[0]), input_pos if pos is None else pos
+        out = []  # Step.piece positions a call (a draft catching up on many tokens): each as alone, as prefill's
+        for i in range(0, S, step.piece):
+            j = min(S, i + step.piece)
+            rows = step.rows(tokens[0, i:j], pos[i:j], base + i, causal(j - i, base + i) if mask is None
+                             else mask[i:j, : base + j])
+            out.append(rows if j == S else rows.clone())  # (the step's buffer: the next call rewrites it)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def greedy_loop(self, out: Tensor, pos: int, left_pad, eos: Optional[Tensor]) -> Optional[int]:  # out [B, N]
         """Greedy decoding into out[:, 1:] (out[:, 0] holds prefill's token, at slot pos) as one C++ call: the

@@ -65,7 +65,7 @@ def run(tree: Path, args: list, flags: list, out: Path) -> dict:
 
 
 def cases(work: Path, tmp: Path, new_tokens: int, prefill: int, engine: bool) -> list:
-    """(name, figure, command, metrics file, how to read the figure) of every measurement."""
+    """(name, command, metrics file, {figure: how to read it}) of every measurement."""
     import bench
     paths = {f"TinyLlama-{w}": bench.checkpoint("TinyLlama-1.1B", w, work) for w in ("bf16", "int8", "int4")}
     paths.update(smollm2_imports(work))
@@ -74,19 +74,19 @@ def cases(work: Path, tmp: Path, new_tokens: int, prefill: int, engine: bool) ->
         cmd = ["generate.py", "--checkpoint_path", path, "--prompt_file", prompt_file(path, tmp, prefill),
                "--max_new_tokens", new_tokens, "--temperature", 0, "--ignore_eos", "--num_samples", 2,
                "--metrics_json", metrics]
-        out.append((name, "decode tok/s", cmd, metrics, lambda m: m["decode_tokens_per_sec"]))
-        out.append((name, f"{prefill}-token prefill tok/s", cmd, metrics, lambda m: m["prefill_tokens_per_sec"]))
+        out.append((name, cmd, metrics, {"decode tok/s": lambda m: m["decode_tokens_per_sec"],
+                                         f"{prefill}-token prefill tok/s": lambda m: m["prefill_tokens_per_sec"]}))
     builtin = ROOT / "checkpoints"
     spec = ["speculative.py", "--checkpoint_path", builtin / "stdlib-target", "--draft_checkpoint_path",
             builtin / "stdlib-draft", "--prompt", "import os\ndef walk(top):", "--max_new_tokens", new_tokens,
             "--temperature", 0, "--num_samples", 2, "--metrics_json", metrics]
-    out.append(("built-in pair", "speculation (auto) tok/s", spec, metrics, lambda m: m["decode_tokens_per_sec"]))
+    out.append(("built-in pair", spec, metrics, {"speculation (auto) tok/s": lambda m: m["decode_tokens_per_sec"]}))
     if engine:
         eng = tmp / "engine.json"
         for model in ("smollm2-int8", "smollm2-int4"):
-            cmd = ["scripts/bench_engine.py", "--models", model, "--json", eng]
-            out.append((model, "engine tok/s (64 requests, 16 at a time)", cmd, eng,
-                        lambda m, model=model: m["models"][model]["tokens_per_s"]))
+            out.append((model, ["scripts/bench_engine.py", "--models", model, "--json", eng], eng,
+                        {"engine tok/s (64 requests, 16 at a time)":
+                         lambda m, model=model: m["models"][model]["tokens_per_s"]}))
     return out
 
 
@@ -115,14 +115,15 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench_versions-", dir=args.work_dir) as tmp:
         todo = [c for c in cases(args.work_dir, Path(tmp), args.new_tokens, args.prefill, args.engine)
                 if not args.cases or any(w.lower() in c[0].lower() for w in args.cases)]
-        seen = {(name, figure): {"old": [], "new": []} for name, figure, *_ in todo}
+        seen = {(name, figure): {"old": [], "new": []} for name, _, _, figures in todo for figure in figures}
         for r in range(args.rounds):
-            for name, figure, cmd, metrics, read in todo:
+            for name, cmd, metrics, figures in todo:
                 for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                    got = read(run(trees[side], cmd, flags[side] if cmd[0] != "scripts/bench_engine.py" else [],
-                                   metrics))
-                    seen[(name, figure)][side].append(got)
-                    print(f"round {r + 1}: {name}, {figure}, {side}: {got:.1f}", file=sys.stderr, flush=True)
+                    got = run(trees[side], cmd, flags[side] if cmd[0] != "scripts/bench_engine.py" else [], metrics)
+                    for figure, read in figures.items():
+                        seen[(name, figure)][side].append(read(got))
+                        print(f"round {r + 1}: {name}, {figure}, {side}: {read(got):.1f}", file=sys.stderr,
+                              flush=True)
     rows = [{"case": name, "figure": figure, **{s: statistics.median(v[s]) for s in v}, "runs": v}
             for (name, figure), v in seen.items()]
     print("\n| case | figure | old | new | new / old |\n| --- | --- | ---: | ---: | ---: |")
