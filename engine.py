@@ -278,9 +278,10 @@ class Engine:
             self.register(r)
         if due:  # every row's check and pick together (sampling.pick), its grammar's mask applied first
             rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, V]
-            masks = [self.allowed(r, rows.size(-1)) for r in due]  # [V] bool, or None without a grammar
-            every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
-            ok = torch.stack([every if m is None else m for m in masks]) if any(m is not None for m in masks) else None
+            masks, ok = [self.allowed(r, rows.size(-1)) for r in due], None  # [V] bool, or None without a grammar
+            if any(m is not None for m in masks):
+                every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
+                ok = torch.stack([every if m is None else m for m in masks])
             for r, token in zip(due, pick(rows, due, [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in due], ok)):
                 self.emit(r, None if token == NOT_FINITE else token)
         return due

@@ -98,6 +98,7 @@ class LLM:
             "prompt must be a non-empty string or a non-empty list of strings or {'prompt': str, ...} dicts")
         require(options.pop("speculate", "auto") in ("auto", "plain", None) and options.pop("callback", None) is None,
                 "many prompts run through the engine, which neither speculates nor calls back: give one prompt")
+        Sampling(**{k: v for k, v in options.items() if k in Sampling.__dataclass_fields__})  # the call's own
         requests, done = [self.request(p, options) for p in prompts], []
         if self.engine is None:
             from engine import Engine
@@ -127,10 +128,10 @@ class LLM:
         unknown = set(given) - set(options) - {"json", "json_schema", "regex", "grammar"}
         require(not unknown, f"unknown keywords for a prompt of many: {', '.join(sorted(unknown))}")
         options.update((k, given.pop(k)) for k in list(given) if k in options)
-        Sampling(**options)  # the one check of the options
         r = Request([], options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"],
                     options["seed"], options["stop"], () if options["ignore_eos"] else tuple(self.tokenizer.eos_ids))
         try:
+            Sampling(**options)  # the one check of the options: a prompt's own bad one fails that prompt alone
             if chat:
                 self.check_template()
             grammars = guided.grammars(**given)

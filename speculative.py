@@ -41,13 +41,14 @@ from trees import prompt_lookup, reserve  # noqa: F401 (prompt_lookup: for calle
 
 
 def draft_step(draft: Backend, cur: Tensor, input_pos: Tensor, kv_len: int, options: Sampling, u: float,
-               bits: Optional[Tensor] = None) -> tuple[int, float]:  # cur [1, 1], input_pos [1], bits [1, W]
+               bits: Optional[Tensor] = None, sure: bool = False) -> tuple[int, float]:  # cur [1, 1], bits [1, W]
     """One draft token, drawn by the rule and the uniform the target's token there will be drawn with (so that a
-    draft that agrees with the target proposes the target's token), and the draft's own probability of it, which
-    the adaptive rule multiplies along the chain. bits: the grammar's mask, so that it proposes allowed tokens."""
+    draft that agrees with the target proposes the target's token), and with sure, the draft's own probability of
+    it, which the adaptive rule multiplies along the chain (else 1). bits: the grammar's mask, so that it proposes
+    allowed tokens."""
     logits = draft.decode(cur, input_pos, None, kv_len)  # [1, V]
     token = pick(logits, [options], [u], generate.allowed(bits, logits.size(-1)))[0]
-    return token, float(torch.softmax(logits[0].float(), -1)[max(token, 0)])
+    return token, float(torch.softmax(logits[0].float(), -1)[max(token, 0)]) if sure else 1.0
 
 
 @dataclass
@@ -152,7 +153,7 @@ def speculative_generate(model, prompt: list[int], max_new_tokens: int, k: int, 
                     break
                 nxt, conf = draft_step(drafter, t, slots[pos + f + m : pos + f + m + 1],
                                        kv_bucket(pos + f + m + 1, draft.max_seq_length), options, u[n_out + m],
-                                       upload(mask) if mask is not None else None)
+                                       upload(mask) if mask is not None else None, rule is not None)
                 if nxt == NOT_FINITE:
                     break  # a damaged draft proposes nothing more; the target decides
                 proposed.append(nxt)

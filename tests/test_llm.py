@@ -169,3 +169,9 @@ def test_many_prompts_sharing_a_header_prefill_it_once(llm):
                              progress=False)
     assert all(o.metrics["cached_tokens"] >= 0.9 * o.metrics["prompt_tokens"] - 16 for o in outs[1:])
     assert outs[3].tokens == llm.generate(header + "def f3(x):", max_new_tokens=4, temperature=0).tokens
+
+
+def test_a_bad_sampling_option_in_one_prompt_of_many_fails_that_prompt_alone(llm):
+    done = llm.generate_many(["def f(x):", {"prompt": "def g(x):", "top_p": 0}], max_new_tokens=4, progress=False)
+    assert done[0].finish_reason == "length" and done[1].finish_reason == "error"
+    assert done[1].error == "top_p must be in (0, 1], got 0"
