@@ -101,12 +101,7 @@ class Backend:
         step = self.alone(idx, left_pad)
         if step is None or self.model.args.sliding_window:
             return self.last(self.model, idx, input_pos, left_pad, kv_len)
-        S, base = idx.size(1), int(input_pos[0])
-        for i in range(0, S, step.piece):  # positions at a time: each computed as alone, however the prompt is cut
-            piece = idx[0, i : i + step.piece]
-            M, at = piece.numel(), base + i
-            logits = step.rows(piece, torch.arange(at, at + M), at, causal(M, at), last=True)  # [1, V]
-        return logits
+        return self.pieces(step, idx, input_pos, input_pos, None, last=True)
 
     def decode(self, cur: Tensor, input_pos: Tensor, left_pad=None, kv_len: Optional[int] = None) -> Tensor:
         """The logits [B, V] after each row's next tokens cur [B, S] at slots input_pos [S] (S > 1: tokens a grammar
@@ -134,14 +129,19 @@ class Backend:
         step = self.alone(tokens, None)
         if step is None or self.model.args.sliding_window:
             return self.rows(self.model, tokens, input_pos, kv_len, mask, pos)
-        S, base, pos = tokens.size(1), int(input_pos[0]), input_pos if pos is None else pos
-        out = []  # Step.piece positions a call (a draft catching up on many tokens): each as alone, as prefill's
+        return self.pieces(step, tokens, input_pos, input_pos if pos is None else pos, mask)
+
+    @staticmethod
+    def pieces(step, tokens: Tensor, input_pos: Tensor, pos: Tensor, mask: Optional[Tensor], last: bool = False):
+        """tokens [1, S] on the C++ step's rows, Step.piece positions a call (a prompt, a draft catching up on many
+        tokens): each position computed as alone, however the tokens are cut. -> [S, V], or the last row's [1, V]."""
+        S, base, out = tokens.size(1), int(input_pos[0]), []
         for i in range(0, S, step.piece):
             j = min(S, i + step.piece)
             rows = step.rows(tokens[0, i:j], pos[i:j], base + i, causal(j - i, base + i) if mask is None
-                             else mask[i:j, : base + j])
-            out.append(rows if j == S else rows.clone())  # (the step's buffer: the next call rewrites it)
-        return out[0] if len(out) == 1 else torch.cat(out)
+                             else mask[i:j, : base + j], last)
+            out.append(rows if j == S or last else rows.clone())  # (the step's buffer: the next call rewrites it)
+        return out[-1] if last or len(out) == 1 else torch.cat(out)
 
     def greedy_loop(self, out: Tensor, pos: int, left_pad, eos: Optional[Tensor]) -> Optional[int]:  # out [B, N]
         """Greedy decoding into out[:, 1:] (out[:, 0] holds prefill's token, at slot pos) as one C++ call: the

@@ -43,33 +43,28 @@ def main(argv=None):
     p.add_argument("--output", type=Path, help="where to write the answers as JSON Lines (default: standard output); "
                    "an existing file is never overwritten")
     p.add_argument("--checkpoint_path", type=Path, default=cli.DEFAULT_CHECKPOINT, help="the model's folder")
-    p.add_argument("--max_new_tokens", type=cli.positive_int, default=200, help="tokens per answer, at most")
-    p.add_argument("--temperature", type=cli.finite_float, default=0.8, help="0 is greedy")
-    p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample among the k most likely tokens")
-    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample among the most likely tokens "
-                   "holding this much probability")
-    p.add_argument("--seed", type=cli.seed, help="each request's sampling seed (the same for every prompt)")
+    cli.add_sampling_options(p, default_seed=None)  # (the seed: each request's, the same for every prompt)
     p.add_argument("--chat", action="store_true", help="each prompt as a user turn in the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument("--concurrency", type=cli.positive_int, default=16, help="requests decoding at once")
     p.add_argument("--kv_blocks", type=cli.positive_int, help="KV cache blocks of 16 tokens (default: room for "
                    "--concurrency requests of 40%% of the context each; more requests wait or are recomputed)")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context: prompt + answer, at most")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="bfloat16", choices=list(cli.DTYPES), help="weight and activation dtype")
-    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the free physical cores)")
+    cli.add_device_options(p)
     args = cli.one_line_errors(p).parse_args(argv)
+    cli.sampling_options(p, args)
     if args.output is not None and args.output.exists():
         raise ValueError(f"--output {args.output} exists: give a new path (nothing is overwritten)")
     prompts = read_prompts(args.prompts_file)
     from engine import Engine
     from llm import LLM
     llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
-              threads=args.threads)
+              threads=args.threads, cpu_kernels=args.cpu_kernels)
     llm.engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.concurrency)
     t0 = time.perf_counter()
     answers = llm.generate_many(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                                ignore_eos=args.ignore_eos, chat=args.chat,
                                 system=args.system, progress=sys.stderr.isatty())
     seconds = time.perf_counter() - t0
     lines = "".join(json.dumps({"prompt": q if isinstance(q, str) else q["prompt"], "text": a.text,

@@ -135,22 +135,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_path", type=Path, required=True, help="a checkpoint whose tokenizer has a chat "
                    "template (tokenizer_config.json or chat_template.jinja)")
     p.add_argument("--system", metavar="TEXT", help="the system message")
-    p.add_argument("--max_new_tokens", type=cli.positive_int, default=512, help="the longest reply")
+    cli.add_sampling_options(p, max_new_tokens=512, temperature=0.7)
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context, in tokens, kept in the KV cache "
                    "(default: the model's, at most 4096)")
     cli.add_kv_cache_option(p)
-    p.add_argument("--temperature", type=cli.finite_float, default=0.7, help="0 is greedy (exact argmax)")
-    p.add_argument("--top_k", type=cli.positive_int, default=200, help="sample among the k most likely tokens")
-    p.add_argument("--top_p", type=cli.finite_float, default=1.0, help="sample among the most likely tokens that "
-                   "hold this much probability, in (0, 1]")
-    p.add_argument("--seed", type=cli.seed, default=1234, help="random seed")
-    p.add_argument("--stop", action="append", metavar="STRING", help="end a reply at this text; may be repeated")
-    p.add_argument("--ignore_eos", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="bfloat16", choices=list(generate.DTYPES), help="weight and activation dtype")
-    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores other "
-                   "programs leave free)")
-    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="as generate.py")
+    cli.add_device_options(p)
     p.add_argument("--compile", action="store_true", help="compile what model.py runs: CUDA graphs on a GPU "
                    "(on a CPU the C++ step already runs every reply)")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill with dynamic shapes")

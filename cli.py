@@ -295,22 +295,12 @@ def generate_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT,
                    help="checkpoint directory: model.safetensors, config.json, tokenizer.model "
                    "(default: the built-in model trained on the Python standard library)")
-    p.add_argument("--max_new_tokens", type=positive_int, default=200, help="tokens to generate per row")
     p.add_argument("--num_samples", type=positive_int, default=1, help="how many times to generate (each "
                    "timed separately)")
     p.add_argument("--batch_size", type=positive_int, help="rows per batch: a single prompt is repeated this "
                    "many times (default: the number of prompts)")
-    p.add_argument("--temperature", type=finite_float, default=0.8, help="0 is greedy (exact argmax)")
-    p.add_argument("--top_k", type=positive_int, default=200, help="sample only among the k most likely tokens")
-    p.add_argument("--top_p", type=finite_float, default=1.0, help="sample only among the most likely tokens "
-                   "that hold this much probability mass, in (0, 1]")
-    p.add_argument("--seed", type=seed, default=1234, help="random seed, for reproducible sampling")
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight and activation dtype")
-    p.add_argument("--threads", type=positive_int, help="CPU threads (default: the physical cores other "
-                   "programs leave free)")
-    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: this CPU's decode "
-                   "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
+    add_sampling_options(p)
+    add_device_options(p)
     p.add_argument("--compile", action="store_true", help='compile what model.py runs with torch.compile '
                    '(fullgraph): CUDA graphs on a GPU (mode="reduce-overhead"), a C++ wrapper on a CPU; the compile '
                    'time is reported apart. Without it a CPU already runs a batch of one as one C++ call a token '
@@ -325,13 +315,36 @@ def generate_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template, as a user "
                    "turn, and print only the answer")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
-    p.add_argument("--stop", action="append", metavar="STRING", help="end a row where its text first contains "
-                   "STRING (not printed); may be repeated")
-    p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence tokens")
     add_guided_options(p)
     p.add_argument("--metrics_json", type=Path, metavar="PATH", help="write the speed figures and the samples "
                    "as JSON (averaged over the samples after the first)")
     return one_line_errors(p)
+
+
+def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int = 200, temperature: float = 0.8,
+                         default_seed: Optional[int] = 1234):
+    """The sampling flags, the same in every command; each command's own defaults."""
+    p.add_argument("--max_new_tokens", type=positive_int, default=max_new_tokens, help="new tokens per answer, at "
+                   "most")
+    p.add_argument("--temperature", type=finite_float, default=temperature, help="0 is greedy (exact argmax)")
+    p.add_argument("--top_k", type=positive_int, default=200, help="sample only among the k most likely tokens")
+    p.add_argument("--top_p", type=finite_float, default=1.0, help="sample only among the most likely tokens "
+                   "that hold this much probability mass, in (0, 1]")
+    p.add_argument("--seed", type=seed, default=default_seed, help="random seed, for reproducible sampling")
+    p.add_argument("--stop", action="append", metavar="STRING", help="end an answer where its text first contains "
+                   "STRING (not printed); may be repeated")
+    p.add_argument("--ignore_eos", action="store_true", help="keep generating past the end-of-sequence tokens")
+
+
+def add_device_options(p: argparse.ArgumentParser, dtype: str = "bfloat16"):
+    """Where and how the model runs, the same in every command."""
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", default=dtype, choices=list(DTYPES), help="weight and activation dtype (default: "
+                   "%(default)s)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: the physical cores other "
+                   "programs leave free)")
+    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: this CPU's decode "
+                   "kernels (cpu_gemv.py) and the prefill dtype measured faster here; off: torch's own kernels")
 
 
 def add_kv_cache_option(p: argparse.ArgumentParser):

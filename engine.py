@@ -22,15 +22,10 @@ from sampling import NOT_FINITE, Sampling, pick
 
 @dataclass(eq=False)
 class Request:
-    """One prompt and how to continue it; the engine fills in the rest. grammar: llguidance's text (from
-    guided.grammars); stop: strings that end the output (the text is cut before them)."""
+    """One prompt and how to continue it (its options, checked when built; stop strings cut the text before them);
+    the engine fills in the rest. grammar: llguidance's text (from guided.grammars)."""
     prompt: list[int]
-    max_new_tokens: int = 200
-    temperature: float = 0.0
-    top_k: Optional[int] = None
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    stop: Optional[list[str]] = None
+    sampling: Sampling = Sampling(temperature=0)
     eos_ids: tuple = ()
     grammar: Optional[str] = None
     out: list[int] = field(default_factory=list)  # the new tokens, without an end-of-sequence one
@@ -95,22 +90,21 @@ class Engine:
     def check(self, r: Request):
         """ValueError if r can never run; else readies its grammar's matcher, its uniforms and its stop strings.
         Touches nothing else of the engine's (a server checks requests in its own threads)."""
-        options = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.seed, r.stop)  # the one check
+        options = r.sampling
         if not r.prompt:
             raise ValueError("a prompt is empty")
-        if len(r.prompt) + r.max_new_tokens > self.context:
-            raise ValueError(f"prompt ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds the "
-                             f"context of {self.context} tokens")
-        if -(-(len(r.prompt) + r.max_new_tokens) // self.pool.block_size) > self.pool.n_blocks:
+        if len(r.prompt) + options.max_new_tokens > self.context:
+            raise ValueError(f"prompt ({len(r.prompt)} tokens) + max_new_tokens ({options.max_new_tokens}) exceeds "
+                             f"the context of {self.context} tokens")
+        if -(-(len(r.prompt) + options.max_new_tokens) // self.pool.block_size) > self.pool.n_blocks:
             raise ValueError(f"the request needs more KV blocks than the pool holds ({self.pool.n_blocks})")
         if r.grammar is not None and r.matcher is None:
             r.matcher = self.matcher(r.grammar)
-        r.top_k = options.top_k
         if not options.greedy and r.uniforms is None:
             r.uniforms = options.uniforms()
-        if r.stop:
+        if options.stop:
             from cli import stop_strings
-            r.keep = stop_strings(self.tokenizer, r.stop)
+            r.keep = stop_strings(self.tokenizer, options.stop)
 
     def matcher(self, grammar: str):
         import guided
@@ -133,7 +127,7 @@ class Engine:
             return
         r.finish_reason, r.error, r.times["finished"] = reason, error, time.perf_counter()
         if reason in ("stop", "length"):
-            self.written = [0.98 * self.written[0] + len(r.out), 0.98 * self.written[1] + r.max_new_tokens]
+            self.written = [0.98 * self.written[0] + len(r.out), 0.98 * self.written[1] + r.sampling.max_new_tokens]
         if r in self.running:
             self.running.remove(r)
         self.release(r)
@@ -229,11 +223,10 @@ class Engine:
         if not self.written[0]:
             return 0
         share, size = self.written[0] / self.written[1], self.pool.block_size
-        rows = []  # (tokens, blocks held, blocks freed when done, steps left)
-        for r in self.running:
-            own = sum(1 for b in r.blocks if self.pool.refs[b] == 1)
-            rows.append((len(r.tokens), len(r.blocks), own, math.ceil(share * (r.max_new_tokens - len(r.out)))))
-        rows.append((len(new.tokens), blocks, blocks, math.ceil(share * (new.max_new_tokens - len(new.out)))))
+        steps = lambda r: math.ceil(share * (r.sampling.max_new_tokens - len(r.out)))  # noqa: E731
+        rows = [(len(r.tokens), len(r.blocks), sum(1 for b in r.blocks if self.pool.refs[b] == 1), steps(r))
+                for r in self.running]  # (tokens, blocks held, blocks freed when done, steps left)
+        rows.append((len(new.tokens), blocks, blocks, steps(new)))
         most = 0
         for t in {left - 1 for *_, left in rows if left > 0}:  # just before a row is done: a peak
             most = max(most, sum(-(-(n + t) // size) - held if t < left else -own for n, held, own, left in rows))
@@ -282,7 +275,8 @@ class Engine:
             if any(m is not None for m in masks):
                 every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
                 ok = torch.stack([every if m is None else m for m in masks])
-            for r, token in zip(due, pick(rows, due, [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in due], ok)):
+            u = [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in due]
+            for r, token in zip(due, pick(rows, [r.sampling for r in due], u, ok)):
                 self.emit(r, None if token == NOT_FINITE else token)
         return due
 
@@ -329,7 +323,7 @@ class Engine:
             return self.finish(r, "stop")
         if r.matcher is not None and r.matcher.is_stopped():
             return self.finish(r, "stop")
-        if len(r.out) >= r.max_new_tokens:  # "incomplete": cut before its grammar was satisfied
+        if len(r.out) >= r.sampling.max_new_tokens:  # "incomplete": cut before its grammar was satisfied
             self.finish(r, "incomplete" if r.matcher is not None and not r.matcher.is_accepting() else "length")
 
     def run(self, requests: list[Request], progress: Optional[Callable] = None) -> list[Request]:

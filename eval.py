@@ -113,12 +113,7 @@ def main(argv=None):
     p.add_argument("--seq_len", type=cli.positive_int, help="tokens per evaluation window (default: 512, or the "
                    "model's block_size if smaller)")
     p.add_argument("--batch_size", type=cli.positive_int, default=8, help="windows per forward pass")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                   help="compute dtype (float32 by default: bf16 matmuls are slow on many CPUs)")
-    p.add_argument("--cpu_kernels", default="auto", choices=["auto", "off"], help="auto: with bfloat16 on a CPU, "
-                   "cpu_gemv.py's kernels and the prefill dtype measured faster here; off: torch's own")
-    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the physical cores)")
+    cli.add_device_options(p, dtype="float32")  # (bfloat16 matmuls are slow on many CPUs)
     args = cli.one_line_errors(p).parse_args(argv)
     device = resolve_device(args.device)
     if args.text is not None and not args.text.exists():

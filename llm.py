@@ -113,7 +113,7 @@ class LLM:
             while self.engine.has_work():
                 bar.update(sum(r.finished for r in self.engine.step()))
         for r in requests:
-            text = cli.new_text(self.tokenizer, r.prompt, r.out, r.stop) if r.prompt else ""
+            text = cli.new_text(self.tokenizer, r.prompt, r.out, r.sampling.stop) if r.prompt else ""
             done.append(Completion(text, r.out, request_metrics(r), r.finish_reason, r.error))
         return done
 
@@ -123,15 +123,12 @@ class LLM:
         given = {**shared, **(prompt if isinstance(prompt, dict) else {"prompt": prompt})}
         text, chat, system = given.pop("prompt"), given.pop("chat", False), given.pop("system", None)
         require(system is None or chat, "system needs chat=True")
-        options = dict(max_new_tokens=200, temperature=0.8, top_k=200, top_p=1.0, seed=None, stop=None,
-                       ignore_eos=False)
-        unknown = set(given) - set(options) - {"json", "json_schema", "regex", "grammar"}
+        options = {k: given.pop(k) for k in list(given) if k in Sampling.__dataclass_fields__}
+        unknown = set(given) - {"json", "json_schema", "regex", "grammar"}
         require(not unknown, f"unknown keywords for a prompt of many: {', '.join(sorted(unknown))}")
-        options.update((k, given.pop(k)) for k in list(given) if k in options)
-        r = Request([], options["max_new_tokens"], options["temperature"], options["top_k"], options["top_p"],
-                    options["seed"], options["stop"], () if options["ignore_eos"] else tuple(self.tokenizer.eos_ids))
+        r = Request([], eos_ids=() if options.get("ignore_eos") else tuple(self.tokenizer.eos_ids))
         try:
-            Sampling(**options)  # the one check of the options: a prompt's own bad one fails that prompt alone
+            r.sampling = Sampling(**options)  # the one check of the options: a prompt's own bad one fails it alone
             if chat:
                 self.check_template()
             grammars = guided.grammars(**given)

@@ -75,11 +75,11 @@ def check(ok: bool, param: str, message: str):
 
 
 def pick(logits: Tensor, rows: list, u: list[float], allowed: Optional[Tensor] = None) -> list[int]:
-    """Each row's next token (logits [N, V]) under its options (rows[i]: a Sampling, or anything with temperature,
-    top_k, top_p) and its uniform u[i]: the argmax at temperature 0, else a draw (see draw); NOT_FINITE where the
-    row's logits are not all finite. allowed [N, V] bool (a grammar's): the other tokens get -inf first, so the
-    draw is from the model's distribution renormalized over the allowed ones. Temperatures, probabilities and
-    top-k candidates take one op each for all rows."""
+    """Each row's next token (logits [N, V]) under its options (rows[i]: a Sampling) and its uniform u[i]: the
+    argmax at temperature 0, else a draw (see draw); NOT_FINITE where the row's logits are not all finite. allowed
+    [N, V] bool (a grammar's): the other tokens get -inf first, so the draw is from the model's distribution
+    renormalized over the allowed ones. Temperatures, probabilities and top-k candidates take one op each for all
+    rows."""
     finite = torch.isfinite(logits.sum(-1)).tolist()  # a sum is NaN or inf if any term is; before the mask's -inf
     if allowed is not None:
         logits = logits.masked_fill(~allowed, -float("inf"))

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import cli
@@ -86,10 +87,8 @@ def sampling(body: dict) -> dict:
     options = body.get("stream_options")
     need(options is None or isinstance(options, dict) and options.get("include_usage") in (None, True, False),
          "stream_options must be an object whose include_usage is true or false", "stream_options")
-    return dict(max_new_tokens=limit, temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed,
-                stop=list(o.stop) if o.stop else None, n=n, ignore_eos=bool(body.get(
-                    "ignore_eos")), stream=bool(body.get("stream")), usage=bool((options or {}).get("include_usage")),
-                grammar=grammar(body.get("response_format")))
+    return dict(sampling=o, limit=limit, n=n, ignore_eos=bool(body.get("ignore_eos")), stream=bool(body.get(
+        "stream")), usage=bool((options or {}).get("include_usage")), grammar=grammar(body.get("response_format")))
 
 
 def grammar(fmt):
@@ -306,13 +305,12 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         need(len(tokens) < context, f"the prompt is {len(tokens)} tokens: this server's context is {context}",
              field, 413)
         room = context - len(tokens)
-        limit = o["max_new_tokens"] or room
+        limit, s = o["limit"] or room, o["sampling"]
         need(limit <= room, f"max_tokens {limit} + the prompt's {len(tokens)} tokens exceed the context of "
              f"{context}", "max_tokens")
         eos = () if o["ignore_eos"] else tuple(tokenizer.eos_ids)
-        rs = [Request(tokens, limit, o["temperature"], o["top_k"], o["top_p"],
-                      None if o["seed"] is None else (o["seed"] + i) % 2**64, o["stop"], eos, o["grammar"])
-              for i in range(o["n"])]
+        seeds = [None if s.seed is None else (s.seed + i) % 2**64 for i in range(o["n"])]  # choice i: seed + i
+        rs = [Request(tokens, replace(s, max_new_tokens=limit, seed=seed), eos, o["grammar"]) for seed in seeds]
         try:
             for r in rs:
                 await run_in_threadpool(service.check, r)
@@ -331,7 +329,7 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         rs = await requests_for(tokens, o, "messages" if chat else "prompt")
         loop, sink = asyncio.get_running_loop(), asyncio.Queue()
         service.submit(rs, loop, sink)
-        answer = Answer(tokenizer, rs, chat, name, o["stop"])
+        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop)
         if o["stream"]:
             return StreamingResponse(answer.stream(sink, service, o["usage"]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -529,9 +527,7 @@ def main(argv=None):
                    "--max_rows requests of 40%% of the context each)")
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context: prompt + answer, at most")
     p.add_argument("--grace", type=float, default=10.0, help="seconds running requests get to finish on shutdown")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", default="bfloat16", choices=list(cli.DTYPES), help="weight and activation dtype")
-    p.add_argument("--threads", type=cli.positive_int, help="CPU threads (default: the free physical cores)")
+    cli.add_device_options(p)
     args = cli.one_line_errors(p).parse_args(argv)
     if not (math.isfinite(args.grace) and args.grace >= 0):
         raise ValueError(f"--grace must be a number of seconds >= 0, got {args.grace}")
@@ -543,7 +539,7 @@ def main(argv=None):
     from engine import Engine
     from llm import LLM
     llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
-              threads=args.threads)
+              threads=args.threads, cpu_kernels=args.cpu_kernels)
     engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.max_rows)
     name = args.model_name or Path(os.path.abspath(args.checkpoint_path)).name  # a link keeps its own name
     app = build_app(llm, engine, name=name, api_key=key, max_waiting=args.max_waiting)

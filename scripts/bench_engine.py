@@ -34,6 +34,7 @@ from backend import Backend  # noqa: E402
 import generate  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from engine import Engine, Request  # noqa: E402
+from sampling import Sampling  # noqa: E402
 
 # name -> (where the weights come from, their format)
 MODELS = {"builtin": ("built-in", "bf16"), "smollm2": ("smollm2", "bf16"), "smollm2-int8": ("smollm2", "int8"),
@@ -93,7 +94,7 @@ def run_ours(engine: Engine, reqs: list[tuple[list[int], int]], sampling: dict) 
     """One timed run of the workload through the engine (request i sampling with seed i)."""
     engine.stats.update(dict.fromkeys(engine.stats, 0))
     t0 = time.perf_counter()
-    done = engine.run([Request(p, max_new_tokens=n, seed=i, **sampling) for i, (p, n) in enumerate(reqs)])
+    done = engine.run([Request(p, Sampling(n, seed=i, **sampling)) for i, (p, n) in enumerate(reqs)])
     seconds = time.perf_counter() - t0
     s, out = engine.stats, sum(len(r.out) for r in done)
     return {"seconds": seconds, "new_tokens": out, "prompt_tokens": s["prompt_tokens"], "tokens_per_s": out / seconds,
@@ -119,9 +120,9 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
                          f"{model.args.block_size}; lower --lengths")
     model.setup_caches(1, longest)
     single = batch_one(model, Backend(model, compile=True))
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p) if args.temperature else {}
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     engine = Engine(model, max_rows=args.concurrency)
-    engine.run([Request(p[:32], max_new_tokens=8) for p, _ in reqs[: args.concurrency]])  # warm-up: allocations
+    engine.run([Request(p[:32], Sampling(8, temperature=0)) for p, _ in reqs[: args.concurrency]])  # warm-up: allocations
     cmd = llama_server.server_command(tools, peer_gguf(name, tools, work), torch.get_num_threads(),
                                       args.concurrency, longest, llama_server.free_port()) if tools else None
     ours, theirs = [], []

@@ -30,6 +30,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
+from model import ModelArgs  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_CANDIDATES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
@@ -38,6 +39,61 @@ WEIGHT_LAYOUTS = (  # (single file, index of shards), in order of preference
     ("pytorch_model.bin", "pytorch_model.bin.index.json"),
 )
 IGNORED_SUFFIX = "rotary_emb.inv_freq"  # a buffer some old exports saved; our model recomputes it
+
+
+LLAMA_LAYOUT = ("llama", "mistral", "qwen2")  # the model_types whose tensors and arithmetic are model.py's
+
+
+def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs from a Hugging Face config.json (transformers 4 or 5 layout) of the Llama layout: SiLU, RMSNorm,
+    RoPE, and at most one sliding window shared by every layer (Mistral). qkv_bias (Qwen2) is not a config field
+    there: the converter reads it from the weights."""
+    if cfg.get("model_type", "llama") not in LLAMA_LAYOUT:  # other architectures may share Llama's tensor names
+        raise ValueError(f"model_type {cfg['model_type']!r} is not supported: only the Llama layout "
+                         f"({', '.join(LLAMA_LAYOUT)}) converts")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only SiLU, as in Llama)")
+    if cfg.get("attention_bias"):  # every transformers model with this flag puts a bias on o_proj too
+        raise ValueError("attention_bias: o_proj biases are not supported (q/k/v biases, as in Qwen2, are)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias: MLP biases are not supported")
+    # fields that rescale what the same tensors compute (Granite's multipliers, Gemma-2's soft caps, SmolLM3's
+    # layers without RoPE): the weights would load and the model would silently compute something else
+    odd = [k for k, v in cfg.items() if v is not None and (k.startswith("no_rope") or k.endswith(
+           ("_multiplier", "_softcapping", "logits_scaling")))]
+    if odd:
+        raise ValueError(f"config field {odd[0]} changes what the weights compute; not part of the Llama layout")
+    missing = [k for k in ("vocab_size", "num_hidden_layers", "num_attention_heads", "hidden_size", "intermediate_size")
+               if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
+    rope = cfg.get("rope_parameters") or {}  # transformers 5 nests rope_theta and the scaling here
+    scaling = cfg.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {rope_type!r} is not supported (only Llama-3.1 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    n_head, n_layer = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("use_sliding_window") and "max_window_layers" in cfg:  # Qwen2's older layout
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n_layer)]
+    kinds = set(types or ())
+    if len(kinds) > 1:
+        raise ValueError(f"layers mix {' and '.join(sorted(kinds))}; only one attention kind for every layer "
+                         f"is supported")
+    if kinds - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types {kinds.pop()!r} is not supported (full_attention or sliding_attention)")
+    # Qwen2 sets sliding_window but slides only with use_sliding_window; layer_types, where given, decides
+    slides = cfg.get("use_sliding_window") is not False and kinds != {"full_attention"}
+    window = cfg.get("sliding_window") if slides else 0
+    return ModelArgs(
+        vocab_size=cfg["vocab_size"], n_layer=n_layer, n_head=n_head,
+        n_kv_head=cfg.get("num_key_value_heads") or n_head, dim=cfg["hidden_size"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, intermediate_size=cfg["intermediate_size"],
+        rope_base=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rope_scaling={k: scaling[k] for k in keys} if rope_type == "llama3" else None,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6), block_size=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), sliding_window=window or 0)  # null: none
 HF_FIELDS = {  # the config fields read, and what each must be
     int: ("vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
           "intermediate_size", "max_position_embeddings", "sliding_window"),
@@ -58,7 +114,7 @@ def read_model_args(checkpoint_dir, names=()):
         raise ValueError(f"{path} does not hold a JSON object")
     check_hf_fields({**config, **(config.get("rope_parameters") or {})}, path)
     try:
-        args = checkpoint.args_from_hf_config(config)
+        args = args_from_hf_config(config)
     except (KeyError, TypeError, AttributeError) as e:  # a field missing or of the wrong type
         raise ValueError(f"{path}: missing or malformed field {e}") from None
     other_bias = next((k for k in names if k.endswith(".bias") and not k.endswith(QKV_BIASES)), None)

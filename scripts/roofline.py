@@ -25,6 +25,7 @@ import cpu_gemv  # noqa: E402
 from bench import read_bandwidth  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from engine import Engine, Request  # noqa: E402
+from sampling import Sampling  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "roofline.cpp"
 
@@ -67,7 +68,7 @@ def seconds_per_step(model, rows: int, context: int, steps: int, rounds: int) ->
     g = torch.Generator().manual_seed(rows)
     new = steps * (rounds + 1) + 8  # the warm steps, the timed ones, and room: no row may finish while timed
     requests = [Request(torch.randint(3, model.args.vocab_size, (context,), generator=g).tolist(),
-                        max_new_tokens=new) for _ in range(rows)]
+                        Sampling(new, temperature=0)) for _ in range(rows)]
     engine = Engine(model, max_rows=rows, blocks=rows * math.ceil((context + new) / 16) + 1)
     for r in requests:
         engine.add(r)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import tp
 from conftest import convert
+from convert_hf_checkpoint import args_from_hf_config
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
@@ -133,13 +134,13 @@ def test_qwen2_two_ranks_give_the_single_process_logits(qwen2, tmp_path):
 def test_qwen2_unused_sliding_window_is_no_window():
     cfg = {**qwen2_config().to_dict(), "use_sliding_window": False, "sliding_window": 4096}
     del cfg["layer_types"]  # as transformers 4 saved it
-    assert checkpoint.args_from_hf_config(cfg).sliding_window == 0
+    assert args_from_hf_config(cfg).sliding_window == 0
 
 
 # ---- Mistral: sliding-window attention ---------------------------------------------------------------------------
 
 def test_mistral_keeps_its_window_and_its_full_context():
-    args = checkpoint.args_from_hf_config(transformers.MistralConfig(**SHAPE, sliding_window=8).to_dict())
+    args = args_from_hf_config(transformers.MistralConfig(**SHAPE, sliding_window=8).to_dict())
     assert (args.sliding_window, args.block_size) == (8, 256)
 
 

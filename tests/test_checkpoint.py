@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from checkpoint import (args_from_hf_config, cache_zeros, checkpoint_files, huge_pages, into_huge_pages,
-                        join_gate_up, load_model, read_checkpoint, save)
+from checkpoint import (cache_zeros, checkpoint_files, huge_pages, into_huge_pages, join_gate_up, load_model,
+                        read_checkpoint, save)
+from convert_hf_checkpoint import args_from_hf_config
 from model import ModelArgs
 from quantize import dequantize_int4, pack_nibbles, quantize_int4
 from conftest import mapping_of

@@ -15,9 +15,8 @@ import transformers  # noqa: E402 - the reference implementation, a test depende
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "convert_hf_checkpoint.py"
 sys.path.insert(0, str(REPO / "scripts"))
-from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
+from convert_hf_checkpoint import args_from_hf_config, convert_hf_checkpoint  # noqa: E402
 
-from checkpoint import args_from_hf_config  # noqa: E402
 from conftest import errors_of
 
 N_HEAD, N_KV_HEAD, HEAD_DIM, DIM, N_LAYER = 4, 2, 8, 32, 2

@@ -12,6 +12,7 @@ import torch
 
 from cuda_step import Graphs, ladder
 from engine import Engine, Request
+from sampling import Sampling
 from test_engine import alone, pool_is_whole, prompts, tiny
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
@@ -28,7 +29,7 @@ def decoding_engine(model, rows: int) -> Engine:
     """An engine whose `rows` requests (prompts of different lengths) are all decoding, a few tokens in."""
     engine = Engine(model, blocks=60, block_size=8, max_rows=8)
     for p in prompts(3, rows, 5, 40):
-        engine.add(Request(p, max_new_tokens=30))
+        engine.add(Request(p, Sampling(30, temperature=0)))
     for _ in range(8):
         engine.step()
     assert len(engine.running) == rows and all(engine.decoding(r) for r in engine.running)
@@ -78,13 +79,14 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import backend, cuda_gemv, engine
 from cuda_step import Graphs
+from sampling import Sampling
 from test_engine import alone, prompts, tiny
 backend.attend_paged_kernel = lambda *args: cuda_gemv.attend_paged  # the GPU's attention, on CPU tensors
 model = tiny(dim=64)
 ps = prompts(7, 5, 5, 60)
 e = engine.Engine(model, blocks=80, block_size=16, max_rows=4, budget=40)  # 3 rows pad to 4; chunks of 40
 e.passes.graphs = Graphs(model, e.passes.cache, 4, e.context, record=False)
-done = e.run([engine.Request(p, max_new_tokens=12) for p in ps])
+done = e.run([engine.Request(p, Sampling(12, temperature=0)) for p in ps])
 print(json.dumps([[r.out for r in done], [alone(model, p, 12) for p in ps]]))
 """
 
@@ -107,5 +109,5 @@ def test_on_a_gpu_decode_steps_replay_cuda_graphs_and_give_each_request_its_toke
     want = [alone(model, p, 20) for p in ps]
     engine = Engine(model, blocks=200, block_size=16, max_rows=4)
     assert engine.passes.graphs is not None and sorted(engine.passes.graphs.graphs) == [1, 2, 4]
-    done = engine.run([Request(p, max_new_tokens=20) for p in ps])
+    done = engine.run([Request(p, Sampling(20, temperature=0)) for p in ps])
     assert [r.out for r in done] == want and pool_is_whole(engine)

@@ -7,6 +7,7 @@ import torch
 import cpu_gemv
 
 from engine import Engine, Request
+from sampling import Sampling
 from backend import Backend
 from generate import generate
 from model import ModelArgs, Transformer
@@ -58,7 +59,7 @@ def expected(model):
 def test_greedy_requests_in_one_batch_match_each_run_alone(model, expected):
     ps, want = expected
     engine = Engine(model, blocks=200, block_size=8)
-    done = engine.run([Request(p, max_new_tokens=24) for p in ps])
+    done = engine.run([Request(p, Sampling(24, temperature=0)) for p in ps])
     assert [r.out for r in done] == want
     assert all(r.finish_reason == "length" for r in done) and pool_is_whole(engine)
 
@@ -73,7 +74,7 @@ def test_requests_arriving_while_others_decode_get_the_same_tokens(model, expect
         for _ in range(rng.randint(0, 3)):  # some join at each step, in a random order
             if order:
                 i = order.pop()
-                live[i] = engine.add(Request(ps[i], max_new_tokens=24))
+                live[i] = engine.add(Request(ps[i], Sampling(24, temperature=0)))
         engine.step()
     assert [live[i].out for i in range(len(ps))] == want and pool_is_whole(engine)
 
@@ -81,7 +82,7 @@ def test_requests_arriving_while_others_decode_get_the_same_tokens(model, expect
 def test_long_prompts_prefill_in_chunks_within_the_step_budget(model):
     ps = prompts(2, 4, 90, 120)
     engine = Engine(model, blocks=100, block_size=8, max_rows=4, budget=8)
-    done = engine.run([Request(p, max_new_tokens=10) for p in ps])
+    done = engine.run([Request(p, Sampling(10, temperature=0)) for p in ps])
     assert [r.out for r in done] == [alone(model, p, 10) for p in ps]
     assert engine.stats["steps"] >= sum(map(len, ps)) // 8
 
@@ -89,7 +90,7 @@ def test_long_prompts_prefill_in_chunks_within_the_step_budget(model):
 def test_a_full_pool_preempts_the_newest_request_and_recomputes_it(model, expected):
     ps, want = expected
     engine = Engine(model, blocks=24, block_size=8, max_rows=8)  # far less than 12 requests need at once
-    done = engine.run([Request(p, max_new_tokens=24) for p in ps])
+    done = engine.run([Request(p, Sampling(24, temperature=0)) for p in ps])
     assert engine.stats["preempted"] > 0
     assert [r.out for r in done] == want and pool_is_whole(engine)
 
@@ -97,8 +98,8 @@ def test_a_full_pool_preempts_the_newest_request_and_recomputes_it(model, expect
 def test_once_requests_ran_to_their_length_a_small_pool_admits_only_what_it_can_finish(model, expected):
     ps, want = expected
     engine = Engine(model, blocks=24, block_size=8, max_rows=8)  # far less than 12 requests need at once
-    engine.run([Request(ps[0], max_new_tokens=24)])  # it wrote all 24 tokens it could
-    done = engine.run([Request(p, max_new_tokens=24) for p in ps])
+    engine.run([Request(ps[0], Sampling(24, temperature=0))])  # it wrote all 24 tokens it could
+    done = engine.run([Request(p, Sampling(24, temperature=0)) for p in ps])
     assert engine.stats["preempted"] == 0 and engine.stats["waited"] == 0
     assert [r.out for r in done] == want and pool_is_whole(engine)
 
@@ -109,7 +110,7 @@ def test_the_pool_admits_by_the_share_of_max_new_tokens_finished_requests_wrote(
         engine = Engine(model, blocks=16, block_size=8, max_rows=8)
         engine.written = [wrote, 100]
         for p in ps:
-            engine.add(Request(p, max_new_tokens=40))
+            engine.add(Request(p, Sampling(40, temperature=0)))
         engine.step()
         assert len(engine.running) == admitted
 
@@ -117,7 +118,7 @@ def test_the_pool_admits_by_the_share_of_max_new_tokens_finished_requests_wrote(
 def test_a_row_short_of_a_block_waits_for_one_rather_than_being_recomputed(model):
     a, b = prompts(12, 1, 15, 15)[0], prompts(13, 1, 9, 9)[0]
     engine = Engine(model, blocks=5, block_size=8)  # b's third block is a's third until a finishes
-    done = engine.run([Request(a, max_new_tokens=10), Request(b, max_new_tokens=12)])
+    done = engine.run([Request(a, Sampling(10, temperature=0)), Request(b, Sampling(12, temperature=0))])
     assert engine.stats["preempted"] == 0 and engine.stats["waited"] > 0
     assert [r.out for r in done] == [alone(model, a, 10), alone(model, b, 12)] and pool_is_whole(engine)
 
@@ -126,7 +127,7 @@ def test_a_shared_system_prompt_is_prefilled_once(model):
     system = prompts(3, 1, 500, 500)[0]
     questions = prompts(4, 32, 5, 20)
     engine = Engine(model, blocks=400, block_size=16, max_rows=32, budget=4096)  # all 32 at once could fit
-    done = engine.run([Request(system + q, max_new_tokens=4) for q in questions])
+    done = engine.run([Request(system + q, Sampling(4, temperature=0)) for q in questions])
     # the first computes the 31 full blocks of the system prompt; the others wait for them and share them
     assert engine.stats["cached_tokens"] >= 0.95 * 31 * 500 and all(r.cached_tokens == 496 for r in done[1:])
     for r, q in list(zip(done, questions))[:3]:
@@ -136,7 +137,8 @@ def test_a_shared_system_prompt_is_prefilled_once(model):
 
 def test_a_cancelled_request_gives_its_blocks_back_at_once(model):
     engine = Engine(model, blocks=50, block_size=8)
-    a, b = engine.add(Request(prompts(5, 1, 60, 60)[0], max_new_tokens=30)), engine.add(Request([1, 2, 3]))
+    a = engine.add(Request(prompts(5, 1, 60, 60)[0], Sampling(30, temperature=0)))
+    b = engine.add(Request([1, 2, 3]))
     engine.step()
     used = engine.pool.in_use()
     engine.cancel(a)
@@ -147,9 +149,8 @@ def test_a_cancelled_request_gives_its_blocks_back_at_once(model):
 
 def test_bad_requests_are_refused_and_leave_the_engine_as_it_was(model):
     engine = Engine(model, blocks=20, block_size=8)
-    for bad, what in ((Request([]), "empty"), (Request([1], max_new_tokens=0), "max_new_tokens"),
-                      (Request([1] * 1000, max_new_tokens=100), "context"),
-                      (Request([1] * 100, max_new_tokens=100), "pool")):
+    for bad, what in ((Request([]), "empty"), (Request([1] * 1000, Sampling(100, temperature=0)), "context"),
+                      (Request([1] * 100, Sampling(100, temperature=0)), "pool")):
         with pytest.raises(ValueError, match=what):
             engine.add(bad)
     assert not engine.has_work() and pool_is_whole(engine)
@@ -158,8 +159,8 @@ def test_bad_requests_are_refused_and_leave_the_engine_as_it_was(model):
 def test_sampled_requests_with_a_seed_are_reproducible_whatever_shares_their_batch(model):
     def sampled(others: int) -> list[int]:
         engine = Engine(model, blocks=100, block_size=8)
-        rs = [Request([5, 6, 7], max_new_tokens=20, temperature=1.0, seed=42)]
-        rs += [Request(p, max_new_tokens=20, temperature=0.8, top_k=10) for p in prompts(6, others)]
+        rs = [Request([5, 6, 7], Sampling(20, temperature=1.0, top_k=None, seed=42))]
+        rs += [Request(p, Sampling(20, temperature=0.8, top_k=10)) for p in prompts(6, others)]
         return engine.run(rs)[0].out
     assert sampled(0) == sampled(5) and len(set(sampled(0))) > 1
 
@@ -168,7 +169,7 @@ def test_sampled_requests_with_a_seed_are_reproducible_whatever_shares_their_bat
                                      dict(temperature=1.0, top_p=0.6), dict(temperature=1.3, top_k=6, top_p=0.5)])
 def test_the_draws_follow_the_filtered_distribution(options):
     from conftest import reference_probs
-    from sampling import Sampling, pick
+    from sampling import pick
     logits = torch.tensor([[2.0, 1.5, 1.4, 0.3, -0.2, 0.9, -1.0, 0.0, 1.1, -3.0, 0.5, 0.2]])  # [1, V]
     want = reference_probs(logits, options["temperature"], options.get("top_k"), options.get("top_p", 1.0))[0]
     rows = [Sampling(**{"top_k": None, **options}, seed=i) for i in range(6000)]
@@ -190,7 +191,8 @@ def test_end_of_sequence_and_stop_limits_end_each_request_by_itself(model, expec
     ps, want = expected
     eos = want[0][5]
     engine = Engine(model, blocks=200, block_size=8)
-    done = engine.run([Request(ps[0], max_new_tokens=24, eos_ids=(eos,)), Request(ps[1], max_new_tokens=3)])
+    done = engine.run([Request(ps[0], Sampling(24, temperature=0), eos_ids=(eos,)),
+                       Request(ps[1], Sampling(3, temperature=0))])
     assert done[0].out == want[0][: want[0].index(eos)] and done[0].finish_reason == "stop"
     assert done[1].out == want[1][:3] and done[1].finish_reason == "length"
 
@@ -210,7 +212,7 @@ def test_bf16_requests_joining_at_any_step_match_each_run_alone(kernels, weights
     assert (engine.passes.cpp is not None) == (weights != "int4") and engine.passes.cache.attend is cpu_gemv.attend_paged
     want = [(alone_lone_reference if engine.passes.cpp is not None else alone)(model, p, 24) for p in ps]
     for p in ps:
-        live.append(engine.add(Request(p, max_new_tokens=24)))
+        live.append(engine.add(Request(p, Sampling(24, temperature=0))))
         for _ in range(rng.randint(0, 3)):
             engine.step()
     while engine.has_work():
@@ -229,7 +231,7 @@ def bf16_on_kernels(request):
 def test_bf16_prompts_prefilled_in_chunks_of_any_size_match_each_run_alone(bf16_on_kernels):
     ps = prompts(8, 4, 90, 200)
     engine = Engine(bf16_on_kernels, blocks=100, max_rows=4, budget=23)  # chunks cut off the 32-position pieces
-    done = engine.run([Request(p, max_new_tokens=12) for p in ps])
+    done = engine.run([Request(p, Sampling(12, temperature=0)) for p in ps])
     assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, p, 12) for p in ps]
     assert engine.stats["steps"] >= sum(map(len, ps)) // 23 and pool_is_whole(engine)
 
@@ -237,7 +239,7 @@ def test_bf16_prompts_prefilled_in_chunks_of_any_size_match_each_run_alone(bf16_
 def test_bf16_prompts_sharing_cached_blocks_match_each_run_alone(bf16_on_kernels):
     system, questions = prompts(9, 1, 300, 300)[0], prompts(10, 5, 5, 40)
     engine = Engine(bf16_on_kernels, blocks=200, max_rows=8)
-    done = engine.run([Request(system + q, max_new_tokens=12) for q in questions])
+    done = engine.run([Request(system + q, Sampling(12, temperature=0)) for q in questions])
     assert all(r.cached_tokens == 288 for r in done[1:])  # 18 blocks: a piece of 32 cut at 16
     assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, system + q, 12) for q in questions]
 
@@ -245,7 +247,7 @@ def test_bf16_prompts_sharing_cached_blocks_match_each_run_alone(bf16_on_kernels
 def test_bf16_requests_preempted_and_recomputed_match_each_run_alone(bf16_on_kernels):
     ps = prompts(11, 8, 20, 100)
     engine = Engine(bf16_on_kernels, blocks=16, max_rows=8)  # far less than 8 requests need at once
-    done = engine.run([Request(p, max_new_tokens=30) for p in ps])
+    done = engine.run([Request(p, Sampling(30, temperature=0)) for p in ps])
     assert engine.stats["preempted"] > 0 and pool_is_whole(engine)
     assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, p, 30) for p in ps]
 
@@ -267,6 +269,26 @@ def test_batch_py_answers_every_line_of_a_file_as_json_lines(tmp_path):
     assert [a["prompt"] for a in answers] == ["def f(x):", "import os", "x"]
     assert [a["usage"]["completion_tokens"] for a in answers] == [6, 3, 6]
     assert all(a["finish_reason"] == "length" for a in answers) and "3 requests" in result.stderr
+
+
+def test_batch_py_takes_the_sampling_flags_of_every_command_stop_strings_included(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    out = tmp_path / "a.jsonl"
+    result = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--output",
+                             str(out), "--temperature", "0", "--max_new_tokens", "40", "--stop", "\n",
+                             "--dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all("\n" not in a["text"] and a["finish_reason"] == "stop" for a in answers), answers
+    bad = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--temperature",
+                          "-1"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("--temperature must be a finite number >= 0, got -1.0")
 
 
 def test_batch_py_fails_in_one_line_when_every_request_is_refused_but_still_writes_them(tmp_path):

@@ -59,3 +59,12 @@ def test_the_paged_cache_needs_only_model_py_and_the_engine_sits_beside_the_deco
     assert GRAPH["cuda_step"] == set()  # the recorded step takes the cache and the model it is given
     assert "engine" in GRAPH["llm"]
     assert not GRAPH["engine"] & {"speculative", "trees", "llm", "tp", "chat"}
+
+
+def test_every_file_is_within_its_line_budget():
+    budgets = {"model.py": 300, "generate.py": 450}
+    files = [*ROOT.glob("*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("tests/*.py")]
+    over = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) >
+            (budgets.get(p.name, 600) if p.parent == ROOT else 600)}
+    assert not over, f"past the budget (model.py 300, generate.py 450, any other 600): {over}"
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300

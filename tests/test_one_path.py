@@ -75,6 +75,7 @@ def test_no_module_of_the_model_is_assigned_to_while_it_runs(monkeypatch):
     from checkpoint import load_model
     from engine import Engine, Request
     from generate import generate
+    from sampling import Sampling
     from speculative import speculative_generate
     pooled, target, draft = (load_model(p, "cpu", dt) for p, dt in ((BUILTIN, torch.float32), (BUILTIN, torch.bfloat16),
                                                                        (DRAFT, torch.bfloat16)))
@@ -90,7 +91,7 @@ def test_no_module_of_the_model_is_assigned_to_while_it_runs(monkeypatch):
         setattr_(self, name, value)
     monkeypatch.setattr(torch.nn.Module, "__setattr__", spy)
     engine = Engine(pooled, max_rows=4, budget=64)
-    engine.run([Request([1, 5, 9, 13] * k, max_new_tokens=12) for k in range(1, 5)])
+    engine.run([Request([1, 5, 9, 13] * k, Sampling(12, temperature=0)) for k in range(1, 5)])
     speculative_generate(target, [1, 20, 21, 22, 20, 21], 24, 3, draft=draft, temperature=0)
     generate(pooled, [[1, 20, 21, 22]], 12, backend=compiled, temperature=0)
     assert assigned == []
@@ -100,10 +101,11 @@ def test_a_bad_sampling_option_gets_the_same_words_from_the_library_and_the_comm
     from conftest import errors_of
     from engine import Engine, Request
     from launcher import command
+    from sampling import Sampling
     with pytest.raises(ValueError) as library:
         llm.generate(PROMPTS[0], temperature=-1.0)
-    with pytest.raises(ValueError) as engine:
-        Engine(llm.model, blocks=8).add(Request([1, 2], temperature=-1.0))
+    with pytest.raises(ValueError) as engine:  # the engine's requests hold a Sampling, checked when built
+        Engine(llm.model, blocks=8).add(Request([1, 2], Sampling(temperature=-1.0)))
     said = str(library.value)
     assert said == str(engine.value) == "temperature must be a finite number >= 0, got -1.0"
     for script in ("generate.py", "chat.py", "speculative.py"):
