@@ -252,57 +252,43 @@ def test_bf16_requests_preempted_and_recomputed_match_each_run_alone(bf16_on_ker
     assert [r.out for r in done] == [alone_lone_reference(bf16_on_kernels, p, 30) for p in ps]
 
 
-def test_batch_py_answers_every_line_of_a_file_as_json_lines(tmp_path):
+def batch_py(tmp_path, lines: str, *flags):  # -> (the finished process, the answers it wrote)
     import json
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def f(x):"}\n{"prompt": "import os", "max_new_tokens": 3}\n{"prompt": "x" }\n')
-    out = tmp_path / "a.jsonl"
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "a.jsonl"
+    prompts.write_text(lines)
     result = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--output",
-                             str(out), "--temperature", "0", "--max_new_tokens", "6", "--dtype", "float32"],
-                            capture_output=True, text=True, timeout=300, cwd=root)
+                             str(out), "--dtype", "float32", *map(str, flags)], capture_output=True, text=True,
+                            timeout=300, cwd=root)
+    return result, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+
+
+def test_batch_py_answers_every_line_of_a_file_as_json_lines(tmp_path):
+    lines = '{"prompt": "def f(x):"}\n{"prompt": "import os", "max_new_tokens": 3}\n{"prompt": "x" }\n'
+    result, answers = batch_py(tmp_path, lines, "--temperature", 0, "--max_new_tokens", 6)
     assert result.returncode == 0, result.stderr
-    answers = [json.loads(line) for line in out.read_text().splitlines()]
     assert [a["prompt"] for a in answers] == ["def f(x):", "import os", "x"]
     assert [a["usage"]["completion_tokens"] for a in answers] == [6, 3, 6]
     assert all(a["finish_reason"] == "length" for a in answers) and "3 requests" in result.stderr
 
 
 def test_batch_py_takes_the_sampling_flags_of_every_command_stop_strings_included(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("def f(x):\nimport os\n")
-    out = tmp_path / "a.jsonl"
-    result = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--output",
-                             str(out), "--temperature", "0", "--max_new_tokens", "40", "--stop", "\n",
-                             "--dtype", "float32"], capture_output=True, text=True, timeout=300, cwd=root)
+    result, answers = batch_py(tmp_path, "def f(x):\nimport os\n", "--temperature", 0, "--max_new_tokens", 40,
+                               "--stop", "\n")
     assert result.returncode == 0, result.stderr
-    answers = [json.loads(line) for line in out.read_text().splitlines()]
-    assert all("\n" not in a["text"] and a["finish_reason"] == "stop" for a in answers), answers
-    bad = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--temperature",
-                          "-1"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert len(answers) == 2 and all("\n" not in a["text"] and a["finish_reason"] == "stop" for a in answers), answers
+    (tmp_path / "bad").mkdir()
+    bad, _ = batch_py(tmp_path / "bad", "x\n", "--temperature", -1)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("--temperature must be a finite number >= 0, got -1.0")
 
 
 def test_batch_py_fails_in_one_line_when_every_request_is_refused_but_still_writes_them(tmp_path):
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": w * 60}) + "\n" for w in ("word ", "more ")))
-    out = tmp_path / "a.jsonl"
-    result = subprocess.run([sys.executable, str(root / "batch.py"), "--prompts_file", str(prompts), "--output",
-                             str(out), "--max_seq_length", "32", "--dtype", "float32"],
-                            capture_output=True, text=True, timeout=300, cwd=root)
+    lines = "".join(json.dumps({"prompt": w * 60}) + "\n" for w in ("word ", "more "))
+    result, answers = batch_py(tmp_path, lines, "--max_seq_length", 32)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: every request was refused")
-    assert [json.loads(line)["finish_reason"] for line in out.read_text().splitlines()] == ["error", "error"]
+    assert [a["finish_reason"] for a in answers] == ["error", "error"]
