@@ -24,13 +24,14 @@ class FakeServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, port: int = 0, short: bool = False, first_s: float = DELAY_S, token_s: float = TOKEN_S,
-                 serial: bool = False):
+                 serial: bool = False, hold: int = 0):
         super().__init__(("127.0.0.1", port), Handler)
         self.lock, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0
         self.received, self.arrived = [], []  # request bodies and their time.perf_counter(), in order of arrival
         self.short = short  # answer one token fewer than asked
         self.first_s, self.token_s = first_s, token_s  # /v1/completions: before the first token, between the others
         self.serial = threading.Lock() if serial else None  # /v1/completions: one answer at a time, the others wait
+        self.hold, self.all_here = hold, threading.Event()  # /v1/completions: no answer before `hold` have arrived
 
     @property
     def url(self) -> str:
@@ -70,8 +71,11 @@ class Handler(BaseHTTPRequestHandler):
             s.arrived.append(arrived)
             s.in_flight += 1
             s.most_in_flight = max(s.most_in_flight, s.in_flight)
+            if len(s.arrived) >= s.hold:
+                s.all_here.set()
         try:
             if self.path == "/v1/completions":
+                s.all_here.wait(timeout=60)
                 with s.serial or contextlib.nullcontext():
                     return self.stream(body)
             time.sleep(DELAY_S)

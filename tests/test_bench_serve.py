@@ -20,8 +20,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_serve import arrivals, held, main, run_load, stream_completion, summarize  # noqa: E402
 from llama_server import free_port  # noqa: E402
 
-SLACK_S = 0.1  # how late a thread of ours may run on a busy 2-core machine
-
 
 def test_arrivals_are_a_poisson_process_whose_pattern_one_seed_keeps_at_every_rate():
     slow, fast = arrivals(4000, 4.0, seed=0), arrivals(4000, 8.0, seed=0)
@@ -32,15 +30,16 @@ def test_arrivals_are_a_poisson_process_whose_pattern_one_seed_keeps_at_every_ra
     assert fast == pytest.approx([t / 2 for t in slow]) and arrivals(4000, 4.0, seed=1) != slow
 
 
-def test_each_request_goes_out_at_its_time_while_a_slow_server_holds_the_earlier_ones():
-    """open loop: the server answers one request at a time, 0.2 s each, yet all six arrive on schedule within 0.1 s"""
+def test_each_request_goes_out_at_its_time_while_the_server_answers_none_of_the_earlier_ones():
+    """open loop: a server that answers nothing until all six have come, then one at a time, gets all six, none
+    before its time (a client that waited for answers would never send the second)"""
     offsets = [0.0, 0.02, 0.04, 0.06, 0.08, 0.1]
-    with FakeServer(first_s=0.2, token_s=0.0, serial=True) as server:
+    with FakeServer(first_s=0.05, token_s=0.0, serial=True, hold=6) as server:
         t0, records = run_load(server.url, "m", [([1, 2, 3], 2)] * 6, offsets)
-    for offset, arrived, r in zip(offsets, sorted(server.arrived), records):
-        assert 0 <= arrived - (t0 + offset) < SLACK_S and r["due"] == t0 + offset and r["sent"] - r["due"] < SLACK_S
     assert server.most_in_flight == 6 and all(r["error"] is None for r in records)
-    assert max(r["end"] for r in records) - t0 >= 6 * 0.2  # they were answered one by one
+    for offset, arrived, r in zip(offsets, sorted(server.arrived), records):
+        assert r["due"] == t0 + offset and r["sent"] >= r["due"] and arrived >= t0 + offset
+    assert max(r["end"] for r in records) - t0 >= offsets[-1] + 6 * 0.05  # answered one by one, after the last came
 
 
 def test_ttft_itl_and_tokens_come_from_the_stream():
@@ -48,8 +47,8 @@ def test_ttft_itl_and_tokens_come_from_the_stream():
         t0, records = run_load(server.url, "m", [([5] * 4, 5), ([6] * 3, 3)], [0.0, 0.0])
     out = summarize(t0, records, rate=2.0)
     assert out["completed"] == 2 and out["errors"] == 0 and out["output_tokens"] == 8 and out["prompt_tokens"] == 7
-    assert 100 <= out["ttft_p50_ms"] < 100 + 1e3 * SLACK_S and 100 <= out["ttft_p99_ms"]
-    assert 30 <= out["itl_p50_ms"] < 30 + 1e3 * SLACK_S and out["tokens_per_chunk"] == 1
+    assert 100 <= out["ttft_p50_ms"] <= out["ttft_p99_ms"] <= 1e3 * out["seconds"]  # no bound a busy machine breaks
+    assert 30 <= out["itl_p50_ms"] <= 1e3 * out["seconds"] and out["tokens_per_chunk"] == 1
     assert out["output_tokens_per_s"] == pytest.approx(8 / out["seconds"]) and out["seconds"] >= 0.1 + 4 * 0.03
     first = out["per_request"][0]
     assert (first["tokens"], first["asked"], first["chunks"], first["usage_prompt_tokens"]) == (5, 5, 5, 4)

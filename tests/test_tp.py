@@ -166,9 +166,8 @@ def test_when_a_rank_dies_the_other_exits_with_one_line(ckpt):
         assert "Loaded" in ranks[0].stdout.readline()  # both ranks are up and generating
         time.sleep(1)
         ranks[1].send_signal(signal.SIGKILL)
-        start = time.monotonic()
-        _, err = ranks[0].communicate(timeout=tp.TIMEOUT.total_seconds() + 30)
-        assert ranks[0].returncode != 0 and time.monotonic() - start < tp.TIMEOUT.total_seconds() + 30
+        _, err = ranks[0].communicate(timeout=tp.TIMEOUT.total_seconds() + 120)  # (a hang fails here)
+        assert ranks[0].returncode != 0
         lines = errors_of(err)
         assert len(lines) == 1 and lines[0].startswith("error: rank 0 lost contact"), err
     finally:
