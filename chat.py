@@ -1,8 +1,8 @@
 """Chat with a model in the terminal, with its chat template. The KV cache is kept from turn to turn: each turn
 prefills only the tokens the cache does not already hold (the new user message, and whatever the template
 writes around it), so a long conversation does not get slower to answer. Commands: /reset, /system TEXT,
-/save FILE, /load FILE, /stats, /help, /quit. When standard input is not a terminal, each line is one user turn
-and each reply is printed on its own."""
+/save FILE, /load FILE, /stats, /help, /quit. Ctrl-C stops the reply being written; at the prompt, a second one
+leaves. When standard input is not a terminal, each line is one user turn and each reply is printed on its own."""
 import os
 import signal
 import sys
@@ -25,10 +25,12 @@ from backend import Backend  # noqa: E402
 import guided  # noqa: E402
 import speculative  # noqa: E402
 
+CHAT_MODEL = cli.DEFAULT_CHECKPOINT.parent / "SmolLM2-135M-Instruct"  # the quick start's (the built-in is no chat model)
 HISTORY = Path.home() / ".cache" / "fast-decode" / "chat_history"
 HELP = ("/reset  forget the conversation        /system TEXT  set the system message (and reset)\n"
         "/save FILE  write the conversation as JSON   /load FILE  read one back\n"
-        "/stats  context use and the last turn's speed   /quit  leave (or Ctrl-D)")
+        "/stats  context use and the last turn's speed   /quit  leave (or Ctrl-D)\n"
+        "Ctrl-C  stop the reply being written (twice at the prompt: leave)")
 
 
 @dataclass
@@ -76,7 +78,11 @@ def answer(chat: Conversation, user: str, tokenizer, model, loop: Callable, *, m
     cached = min(common_prefix(chat.cached, ids), len(ids) - 1)  # prefill needs at least one token to predict from
     eos_ids = None if ignore_eos else tokenizer.eos_ids
     streamer = cli.make_streamer(tokenizer, ids, eos_ids) if stream else None
-    result = loop([ids], eos_ids, streamer, cli.stop_strings(tokenizer, stop), cached)
+    try:
+        result = loop([ids], eos_ids, streamer, cli.stop_strings(tokenizer, stop), cached)
+    except KeyboardInterrupt:  # Ctrl-C: the reply stops and is not kept; the cache past the shared part is stale
+        chat.cached = ids[:cached]
+        raise
     reply = result.rows[0]
     text = cli.new_text(tokenizer, ids, reply, stop)
     chat.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
@@ -132,8 +138,9 @@ def read_conversation(path: Path) -> tuple[Optional[str], list[dict]]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=cli.summary(__doc__))
-    p.add_argument("--checkpoint_path", type=Path, required=True, help="a checkpoint whose tokenizer has a chat "
-                   "template (tokenizer_config.json or chat_template.jinja)")
+    p.add_argument("--checkpoint_path", type=Path, default=CHAT_MODEL, help="a checkpoint whose tokenizer has a "
+                   "chat template (tokenizer_config.json or chat_template.jinja) (default: README's conversion of "
+                   "SmolLM2-135M-Instruct, checkpoints/SmolLM2-135M-Instruct)")
     p.add_argument("--system", metavar="TEXT", help="the system message")
     cli.add_sampling_options(p, max_new_tokens=512, temperature=0.7)
     p.add_argument("--max_seq_length", type=cli.positive_int, help="the context, in tokens, kept in the KV cache "
@@ -216,6 +223,9 @@ def main(argv=None):
         raise ValueError(f"--speculate {args.speculate} and the flag forcing {speculate} ask for two methods; give one")
     if speculate in ("suffix", "lookahead") and grammars:
         raise ValueError(f"{speculate} decoding does not support guided generation; use --prompt_lookup")
+    if args.checkpoint_path == CHAT_MODEL and not CHAT_MODEL.exists():
+        raise ValueError(f"no --checkpoint_path, and no {CHAT_MODEL}: convert SmolLM2-135M-Instruct there as "
+                         f"README.md's quick start does (scripts/convert_gguf.py), or name a chat model")
     if sys.stdin is None:  # started with standard input closed
         raise ValueError("standard input is closed: chat.py reads the messages from it")
     cli.check_output_file(args.metrics_json, "--metrics_json", '"turns"')
@@ -232,11 +242,19 @@ def main(argv=None):
     if interactive:
         history()
         print("Type a message, or /help.", file=sys.stderr)
+    armed = False  # Ctrl-C at the prompt once: a second one ends the chat
     while True:
         try:
             line = input("> " if interactive else "")
         except EOFError:
             break
+        except KeyboardInterrupt:
+            if not interactive or armed:
+                raise
+            armed = True
+            print("\n(Ctrl-C again, /quit or Ctrl-D to leave)", file=sys.stderr)
+            continue
+        armed = False
         if not line.strip():
             continue
         try:
@@ -250,6 +268,11 @@ def main(argv=None):
             if not interactive:
                 raise  # a script's bad line ends the run with one error line and status 2
             print(f"error: {cli.first_line(e)}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            print("\n(stopped; that reply is not kept)", file=sys.stderr)
             continue
         print("" if interactive else turn["text"], flush=True)
         if turn["incomplete"]:

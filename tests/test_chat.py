@@ -108,3 +108,72 @@ def test_standard_input_closed_is_one_line(chat_checkpoint):
                        text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent, preexec_fn=lambda: os.close(0))
     assert r.returncode == 2 and errors_of(r.stderr) == ["error: standard input is closed: chat.py reads the messages "
                                                          "from it"]
+
+
+class Terminal:
+    """Standard input as a terminal: what chat.py checks before it streams and keeps going after an error."""
+
+    def isatty(self):
+        return True
+
+
+def chat_at_a_terminal(monkeypatch, capsys, ckpt, typed, stop_reply=None):
+    """chat.main in this process as if typed at a terminal: each of typed is a line entered, or KeyboardInterrupt
+    for Ctrl-C at the prompt; the reply to the line stop_reply gets Ctrl-C while it is written (at its first
+    streamed text). -> (standard error, each line's reply tokens as last streamed)."""
+    import builtins
+    import sys
+
+    import chat as chat_py
+    import cli
+    lines, real, current, replies = iter(typed), cli.make_streamer, {}, {}
+
+    def enter(prompt=""):
+        line = next(lines)
+        if line is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        current["line"] = line
+        return line
+
+    def streamer(tokenizer, prompt, eos_ids=None):
+        shown = real(tokenizer, prompt, eos_ids)
+
+        def stream(tokens):
+            shown(tokens)
+            replies[current["line"]] = list(tokens)
+            if current["line"] == stop_reply:
+                raise KeyboardInterrupt
+        return stream
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr(builtins, "input", enter)
+    monkeypatch.setattr(cli, "make_streamer", streamer)
+    monkeypatch.setattr(chat_py, "history", lambda: None)
+    chat_py.main(["--checkpoint_path", str(ckpt), "--temperature", "0", "--max_new_tokens", "12", "--ignore_eos"])
+    return capsys.readouterr().err, replies
+
+
+def test_ctrl_c_stops_the_reply_being_written_and_the_conversation_goes_on_without_it(chat_checkpoint, monkeypatch,
+                                                                                      capsys):
+    err, replies = chat_at_a_terminal(monkeypatch, capsys, chat_checkpoint, ["the quick brown fox", "jumps over",
+                                      "the lazy dog", "/quit"], stop_reply="jumps over")
+    assert "(stopped; that reply is not kept)" in err and len(replies["jumps over"]) < 12
+    _, plain = chat_at_a_terminal(monkeypatch, capsys, chat_checkpoint, ["the quick brown fox", "the lazy dog",
+                                  "/quit"])  # the same conversation, never interrupted
+    assert replies["the lazy dog"] == plain["the lazy dog"] and len(plain["the lazy dog"]) == 12
+
+
+def test_ctrl_c_at_the_prompt_asks_for_a_second_one_to_leave(chat_checkpoint, monkeypatch, capsys):
+    import pytest
+    err, _ = chat_at_a_terminal(monkeypatch, capsys, chat_checkpoint, [KeyboardInterrupt, "/quit"])
+    assert "(Ctrl-C again, /quit or Ctrl-D to leave)" in err
+    with pytest.raises(KeyboardInterrupt):
+        chat_at_a_terminal(monkeypatch, capsys, chat_checkpoint, [KeyboardInterrupt, KeyboardInterrupt])
+
+
+def test_without_a_checkpoint_it_takes_the_quick_starts_chat_model_or_says_how_to_make_it(monkeypatch, tmp_path):
+    import pytest
+
+    import chat as chat_py
+    monkeypatch.setattr(chat_py, "CHAT_MODEL", tmp_path / "SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="convert SmolLM2-135M-Instruct there as README.md's quick start does"):
+        chat_py.main([])
