@@ -57,7 +57,7 @@ def main(argv=None):
         raise ValueError(f"--output {args.output} exists: give a new path (nothing is overwritten)")
     prompts = read_prompts(args.prompts_file)
     from engine import Engine
-    from llm import LLM
+    from fast_decode import LLM
     llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
               threads=args.threads, cpu_kernels=args.cpu_kernels)
     llm.engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.concurrency)

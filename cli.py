@@ -64,7 +64,19 @@ def summary(doc: str) -> str:
 
 def one_line_errors(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.error = lambda msg: fail(msg + suggestion(p, msg))  # one line, not argparse's usage block
+    p.formatter_class = ShowDefaults
     return p
+
+
+class ShowDefaults(argparse.HelpFormatter):
+    """--help gives each option's default, where it has one its text does not state already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS or \
+                "default" in text or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def suggestion(p: argparse.ArgumentParser, msg: str) -> str:
@@ -98,6 +110,10 @@ def whole_number(text: str, lo: int, hi: int) -> int:  # argparse names the opti
 
 def positive_int(text: str) -> int:
     return whole_number(text, 1, 2**31 - 1)
+
+
+def whole_or_zero(text: str) -> int:
+    return whole_number(text, 0, 2**31 - 1)
 
 
 def seed(text: str) -> int:  # what torch.manual_seed takes
@@ -264,6 +280,9 @@ def busy_threads(samples: int = 5) -> int:
         return 0
 
 
+warned = False  # set_threads has warned of other programs' threads
+
+
 def set_threads(threads: Optional[int], share: int = 1, decode: bool = True) -> int:
     """Use `threads` CPU threads, or by default the physical cores that other programs leave free, split among
     `share` processes on one machine. Decode runs one parallel region per layer, and each waits for its slowest
@@ -274,6 +293,8 @@ def set_threads(threads: Optional[int], share: int = 1, decode: bool = True) -> 
     free = max(1, min(physical_cores(), cores - others) // share)
     chosen = threads or (free if decode else max(1, physical_cores() // share))
     torch.set_num_threads(chosen)
+    global warned
+    others, warned = (0 if warned else others), warned or bool(others)  # said once a process, not every load
     if others and not threads:
         print(f"warning: {others} thread(s) of other programs are running on this machine's {cores} CPUs, so "
               f"decoding uses {chosen} thread(s) (--threads to choose)", file=sys.stderr, flush=True)
@@ -301,10 +322,10 @@ def generate_parser(doc: str) -> argparse.ArgumentParser:
                    "many times (default: the number of prompts)")
     add_sampling_options(p)
     add_device_options(p)
-    p.add_argument("--compile", action="store_true", help='compile what model.py runs with torch.compile '
-                   '(fullgraph): CUDA graphs on a GPU (mode="reduce-overhead"), a C++ wrapper on a CPU; the compile '
-                   'time is reported apart. Without it a CPU already runs a batch of one as one C++ call a token '
-                   '(cpu_step.py), its prompt in pieces of 128 positions (32 with int4 weights)')
+    p.add_argument("--compile", action="store_true", help="a GPU's fast path: torch.compile the steps model.py "
+                   "runs, as CUDA graphs (the compile time is reported apart). A CPU needs no flag: a batch of one "
+                   "runs as one C++ call a token (cpu_step.py) by default; with --cpu_kernels off this compiles "
+                   "model.py's forward with inductor's C++ wrapper")
     p.add_argument("--compile_prefill", action="store_true", help="compile prefill, with dynamic shapes "
                    "(one compilation serves every prompt length)")
     p.add_argument("--max_seq_length", type=positive_int, help="KV cache length (default: longest prompt + "
@@ -323,13 +344,18 @@ def generate_parser(doc: str) -> argparse.ArgumentParser:
 
 def add_sampling_options(p: argparse.ArgumentParser, max_new_tokens: int = 200, temperature: float = 0.8,
                          default_seed: Optional[int] = 1234):
-    """The sampling flags, the same in every command; each command's own defaults."""
+    """The sampling flags, the same in every command; each command's own defaults. temperature, top_k and top_p
+    stay None when not given: sampling_options fills them from the model's defaults, else the command's."""
+    from sampling import FALLBACK
+    p.sampling_fallback = {**FALLBACK, "temperature": temperature}
+    model = "default: the checkpoint's generation_config.json, else %s"
     p.add_argument("--max_new_tokens", type=positive_int, default=max_new_tokens, help="new tokens per answer, at "
                    "most")
-    p.add_argument("--temperature", type=finite_float, default=temperature, help="0 is greedy (exact argmax)")
-    p.add_argument("--top_k", type=positive_int, default=200, help="sample only among the k most likely tokens")
-    p.add_argument("--top_p", type=finite_float, default=1.0, help="sample only among the most likely tokens "
-                   "that hold this much probability mass, in (0, 1]")
+    p.add_argument("--temperature", type=finite_float, help=f"0 is greedy (exact argmax) ({model % temperature})")
+    p.add_argument("--top_k", type=whole_or_zero, help="sample only among the k most likely tokens, 0: all "
+                   f"({model % FALLBACK['top_k']})")
+    p.add_argument("--top_p", type=finite_float, help="sample only among the most likely tokens that hold this much "
+                   f"probability mass, in (0, 1] ({model % FALLBACK['top_p']})")
     p.add_argument("--seed", type=seed, default=default_seed, help="random seed, for reproducible sampling")
     p.add_argument("--stop", action="append", metavar="STRING", help="end an answer where its text first contains "
                    "STRING (not printed); may be repeated")
@@ -382,8 +408,16 @@ def read_prompts(args) -> list[str]:
 
 
 def sampling_options(p: argparse.ArgumentParser, args: argparse.Namespace):
-    """The sampling options checked as every entry point checks them (sampling.Sampling), named as flags."""
-    from sampling import OptionError, Sampling
+    """The sampling options checked as every entry point checks them (sampling.Sampling), named as flags; those
+    not given are the checkpoint's defaults (generation_config.json), else the command's."""
+    from sampling import OptionError, Sampling, with_defaults
+    from tokenizer import sampling_defaults
+    try:
+        model = sampling_defaults(args.checkpoint_path)
+    except ValueError as e:  # a generation_config.json that is not JSON: the run would fail at the tokenizer
+        p.error(str(e))
+    for name, value in with_defaults(vars(args), model, p.sampling_fallback).items():
+        setattr(args, name, value)
     try:
         Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, getattr(args, "seed", None),
                  getattr(args, "stop", None), bool(getattr(args, "ignore_eos", False)))
@@ -419,7 +453,7 @@ def run_options(args: argparse.Namespace) -> dict:
     return {**{k: getattr(args, k) for k in keep}, "prompts": args.prompt, "grammars": args.guides}
 
 
-# ---- text: the prompt in, the answer out (the commands' and llm.py's) -----------------------------------------------
+# ---- text: the prompt in, the answer out (the commands' and fast_decode.py's) -----------------------------------------------
 
 def stop_strings(tokenizer, strings: Optional[list[str]]) -> Optional[Callable]:
     """stop(row, new=None) -> how many of the row's tokens to keep: through the token that completes the first of
@@ -457,8 +491,10 @@ def cut_text(text: str, strings: Optional[list[str]]) -> str:
 
 
 def new_text(tokenizer, prompt: list[int], row: list[int], stop: Optional[list[str]] = None) -> str:
-    """The text the row adds to the prompt (decoded together: SentencePiece's spaces depend on what precedes)."""
-    return cut_text(tokenizer.decode(prompt + row)[len(tokenizer.decode(prompt)):], stop)
+    """The text the row adds to the prompt (decoded together: SentencePiece's spaces depend on what precedes),
+    without special tokens, as a reader sees it (the ids keep them)."""
+    whole = tokenizer.decode(prompt + row, specials=False)
+    return cut_text(whole[len(tokenizer.decode(prompt, specials=False)):], stop)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool = False, system: Optional[str] = None) -> list[int]:
@@ -538,12 +574,12 @@ def print_texts(prompts: list[str], texts: list[str]):
 def make_streamer(tokenizer, prompt: list[int], eos_ids=None) -> Callable:
     """Print the text as it grows, up to the first end-of-sequence token (a finished row repeats it, and a chat
     template's end-of-turn token would show). Decoding the whole sequence keeps SentencePiece's spaces right."""
-    shown, eos = len(tokenizer.decode(prompt)), set(eos_ids or ())
+    shown, eos = len(tokenizer.decode(prompt, specials=False)), set(eos_ids or ())
 
     def stream(tokens: list[int]):  # syncs with the device every step, so only used on a terminal
         nonlocal shown
         end = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
-        text = tokenizer.decode(prompt + tokens[:end])
+        text = tokenizer.decode(prompt + tokens[:end], specials=False)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             print(text[shown:], end="", flush=True)
             shown = max(shown, len(text))

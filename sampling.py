@@ -16,6 +16,15 @@ from torch import Tensor
 NOT_FINITE = -1  # the token of a row whose logits hold a NaN or an infinity: the loops stop on it
 
 
+FALLBACK = {"temperature": 0.8, "top_k": 200, "top_p": 1.0}  # where neither the request nor the model says
+
+
+def with_defaults(given: dict, model: dict, fallback: dict = FALLBACK) -> dict:
+    """given's temperature, top_k and top_p, each where given (not None), else the model's own default (its
+    generation_config.json: tokenizer.sampling_defaults), else fallback's."""
+    return {k: given[k] if given.get(k) is not None else model.get(k, v) for k, v in fallback.items()}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to continue a prompt, checked once here for the command lines, the Python API, the engine and the server.

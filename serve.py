@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import math
 import os
 import queue
@@ -26,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import cli
-from sampling import OptionError, Sampling
+from sampling import OptionError, Sampling, with_defaults
 
 KEY_ENV = "FAST_DECODE_API_KEY"
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -57,9 +58,11 @@ def number(v) -> bool:
 
 # ---- a request's body -> the engine's Request --------------------------------------------------------------------
 
-def sampling(body: dict) -> dict:
+def sampling(body: dict, model: dict) -> dict:
     """The OpenAI fields the engine honours, checked; fields that would change what kind of answer comes back, and
-    that it cannot give, are refused; the others are ignored, as the OpenAI API ignores fields it does not know."""
+    that it cannot give, are refused; the others are ignored, as the OpenAI API ignores fields it does not know.
+    temperature, top_p and top_k not sent are the model's defaults (model: its generation_config.json's), else
+    the API's (1, 1, none)."""
     for name in REFUSED:
         need(body.get(name) in (None, False, [], ""), f"'{name}' is not supported by this server", name)
     need(body.get("logprobs") in (None, False, 0) and body.get("top_logprobs") in (None, 0),
@@ -69,14 +72,15 @@ def sampling(body: dict) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         need(body.get(name) in (None, 0, 0.0), f"'{name}' is not supported by this server (0 only)", name)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    temperature = 1.0 if body.get("temperature") is None else body["temperature"]
+    given = with_defaults(body, model, {"temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    temperature = given["temperature"]
     need(not number(temperature) or temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
     seed, stop = body.get("seed"), body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     need(not isinstance(stop, list) or len(stop) <= 16, "stop must be a string or a list of at most 16", "stop")
     try:  # the checks every entry point makes (sampling.py); the API's own bounds above
-        o = Sampling(1 if limit is None else limit, temperature, body.get("top_k"),
-                     1.0 if body.get("top_p") is None else body["top_p"], seed % 2**64 if whole(seed) else seed, stop)
+        o = Sampling(1 if limit is None else limit, temperature, given["top_k"], given["top_p"],
+                     seed % 2**64 if whole(seed) else seed, stop)
     except OptionError as e:
         raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"),
                        "max_tokens" if e.param == "max_new_tokens" else e.param) from None
@@ -320,7 +324,7 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
 
     async def complete(request, chat: bool):
         body = await body_of(request)
-        o = sampling(body)
+        o = sampling(body, tokenizer.sampling_defaults)
         if chat:
             tokens = chat_tokens(tokenizer, body.get("messages"))
         else:
@@ -343,7 +347,8 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": int(START),
-                                                         "owned_by": "fast-decode"}]})
+                                                         "owned_by": "fast-decode", "max_model_len": context,
+                                                         "sampling_defaults": tokenizer.sampling_defaults}]})
 
     async def health(request):
         return JSONResponse({"status": "ok"})
@@ -415,7 +420,7 @@ class Answer:
         whole text), and the text they add is appended. A step costs the same however long prompt and answer."""
         start, read, text = self.shown[i]
         tokens = r.prompt[start:] + r.out[max(start - len(r.prompt), 0) : n]  # [tokens since start]
-        before, now = self.tokenizer.decode(tokens[: read - start]), self.tokenizer.decode(tokens)
+        before, now = (self.tokenizer.decode(t, specials=False) for t in (tokens[: read - start], tokens))
         if len(now) > len(before) and not now.endswith("\ufffd"):  # (a character still cut: wait for its bytes)
             self.shown[i] = [read, start + len(tokens), text + now[len(before):]]
         return self.shown[i][2]
@@ -537,7 +542,7 @@ def main(argv=None):
     check_address(args.host, args.port)  # before the model loads, which takes a while
     import uvicorn
     from engine import Engine
-    from llm import LLM
+    from fast_decode import LLM
     llm = LLM(args.checkpoint_path, device=args.device, dtype=args.dtype, max_seq_length=args.max_seq_length,
               threads=args.threads, cpu_kernels=args.cpu_kernels)
     engine = Engine(llm.model, llm.tokenizer, blocks=args.kv_blocks, max_rows=args.max_rows)
@@ -550,12 +555,14 @@ def main(argv=None):
           f"{args.max_rows} requests at once)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.grace))
+    logging.getLogger("uvicorn.access").setLevel(logging.INFO)  # a line a request; uvicorn's own news: warnings only
     # a signal is how this server is meant to stop: a graceful shutdown and status 0, where uvicorn would end by
     # raising the signal again (a second one still stops it at once)
     server.capture_signals = contextlib.nullcontext
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, frame: server.handle_exit(number, frame))
     server.run()
+    print(f"stopped serving {name}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ give the special tokens, every end-of-sequence id and the chat template, read as
 import base64
 import binascii
 import json
+import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -100,6 +101,7 @@ class Tokenizer:
     def _read_companions(self, folder: Path):
         """Special tokens, end-of-sequence ids and the chat template, from the files transformers reads."""
         config, generation = _read_json(folder / "tokenizer_config.json"), _read_json(folder / "generation_config.json")
+        self.sampling_defaults = sampling_defaults(folder)
         self.special_tokens = {k: _content(v) for k, v in config.items() if k.endswith("_token") and _content(v)}
         for key in ("bos", "eos"):
             named = self.special_tokens.get(f"{key}_token")
@@ -156,12 +158,15 @@ class Tokenizer:
                 for i in ([self.token_id(part)] if n % 2 else self._sp.encode(part))]
 
     def decode(self, ids: list[int], specials: bool = True) -> str:
+        """specials=False: the text a reader sees, without special tokens (a chat template's markers, EOS)."""
         # a model's vocabulary may be padded past the tokenizer's (to a multiple of 64, say): those ids have no text
         ids = [int(i) for i in ids if 0 <= i < self.vocab_size]
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=not specials)
         if self._sp is not None:
-            return self._sp.decode(ids)
+            return self._sp.decode(ids)  # (it writes no control token, BOS and EOS among them, either way)
+        if not specials:
+            ids = [i for i in ids if i < self.vocab_size - len(self._specials)]
         # errors="replace": a streaming prefix may end mid UTF-8 sequence.
         return self._tt.decode(ids, errors="replace")
 
@@ -172,6 +177,16 @@ class Tokenizer:
             raise ValueError("this model has no chat template (no chat_template.jinja or tokenizer_config.json "
                              "chat_template beside its tokenizer); it is not a chat model")
         return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+
+
+def sampling_defaults(folder: Path) -> dict:
+    """The sampling options a checkpoint's generation_config.json sets, as vLLM reads them: each of temperature,
+    top_k (0: no limit) and top_p that it names with a valid value. Where the user gives one, the user's wins."""
+    generation, valid = _read_json(Path(folder) / "generation_config.json"), {
+        "temperature": lambda v: v >= 0, "top_k": lambda v: v == int(v) and v >= 0, "top_p": lambda v: 0 < v <= 1}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+    return {k: (int if k == "top_k" else float)(generation[k]) for k, ok in valid.items()
+            if number(generation.get(k)) and ok(generation[k])}
 
 
 def _read_json(path: Path) -> dict:

@@ -188,7 +188,7 @@ def check_tensors(tensors: dict, args: ModelArgs, path: Path):
 
 def tokenizer_files(reader, path: Path, vocab_size: int, tokenizer=None) -> dict:
     """{file name: text or Path}: tokenizer.json (or --tokenizer's file), tokenizer_config.json and
-    generation_config.json, from the metadata."""
+    generation_config.json (its end ids and sampling defaults), from the metadata."""
     tokens = field(reader, "tokenizer.ggml.tokens", list, [])
     kind = field(reader, "tokenizer.ggml.model", str, None)
     if tokenizer is not None:
@@ -217,6 +217,9 @@ def tokenizer_files(reader, path: Path, vocab_size: int, tokenizer=None) -> dict
         config["chat_template"] = template
     ends = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
     generation = {"bos_token_id": ids["bos"], "eos_token_id": ends if len(ends) > 1 else ends[0] if ends else None}
+    for key, name in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p")):  # the model's sampling
+        if f"general.sampling.{key}" in reader.fields:  # defaults, as llama.cpp's converter stores them
+            generation[name] = reader.fields[f"general.sampling.{key}"].contents()
     return {**files, "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
             "generation_config.json": json.dumps(generation, indent=2) + "\n"}
 
@@ -415,8 +418,11 @@ def convert_gguf(gguf_path, out_dir, dtype="bfloat16", dequantize: bool = False,
         print(f"Q8_0 -> int8 with one scale per output channel: largest error {q8_error:.2%} of the largest weight")
     params = sum(t.numel() * (2 if k.endswith(".weight") and t.dtype == torch.uint8 else 1)
                  for k, t in state.items() if not k.endswith((".scales", ".zeros")))
-    print(f"converted {params:,} params ({kinds['int4']} int4, {kinds['int8']} int8, {kinds['float']} float layers) "
-          f"to {out_dir / 'model.safetensors'}")
+    tied = state["tok_embeddings.weight"].numel() if args.tie_embeddings and "output.weight" in state else 0
+    apart = f"; {params - tied:,} in the model, its output head being the embedding, stored apart quantized" \
+        if tied else ""
+    print(f"converted {params:,} params ({kinds['int4']} int4, {kinds['int8']} int8, {kinds['float']} float layers"
+          f"{apart}) to {out_dir / 'model.safetensors'}")
     return out_dir
 
 

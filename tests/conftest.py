@@ -202,7 +202,7 @@ def llama_cpp_permute(w, n_head):
 
 
 def write_tiny_gguf(path, arch="llama", pre="gpt-2", tokenizer="gpt2", linear_type=None, embd_type=None, tie=False,
-                    add_bos=False, rope_freqs=None, seed=0):
+                    add_bos=False, rope_freqs=None, seed=0, sampling=None):
     """A random tiny model in a GGUF file, written the way llama.cpp writes one: F32 unless linear_type (the
     attention and MLP weights, and the output head) or embd_type (token_embd) names a GGML type, q and k rows
     permuted for "llama" and left in Hugging Face's order, with q/k/v biases, for "qwen2"."""
@@ -237,6 +237,8 @@ def write_tiny_gguf(path, arch="llama", pre="gpt-2", tokenizer="gpt2", linear_ty
     w.add_eos_token_id(2)
     w.add_add_bos_token(add_bos)
     w.add_chat_template(CHATML)
+    for key, value in (sampling or {}).items():  # {"temp": 0.25, "top_k": 40, ...}: general.sampling.*
+        (w.add_int32 if isinstance(value, int) else w.add_float32)(f"general.sampling.{key}", value)
 
     def add(name, array, qtype=None):
         if qtype in (None, gguf.GGMLQuantizationType.F32):

@@ -293,3 +293,14 @@ def test_a_hf_config_of_the_llama_layout_is_read_whatever_its_model_type(model_t
     cfg = dict(model_type=model_type, vocab_size=100, num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
                intermediate_size=64)
     assert args_from_hf_config(cfg).n_layer == 2
+
+
+def test_a_gguf_file_given_as_a_checkpoint_names_the_conversion_into_this_projects_checkpoints(tmp_path):
+    import checkpoint
+    gguf = tmp_path / "site-packages" / "model.Q4_1.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError) as e:
+        checkpoint.checkpoint_files(gguf)
+    out = str(e.value).rsplit("--out_dir ", 1)[1]
+    assert "convert it first" in str(e.value) and Path(out).resolve() == ROOT / "checkpoints" / "model.Q4_1"

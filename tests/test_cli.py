@@ -124,7 +124,7 @@ def assert_one_line_error(result, message):
     (("--max_new_tokens", 10, "--max_seq_length", 8), "exceeds the maximum"),
     (("--max_new_tokens", 0), "--max_new_tokens"),
     (("--temperature", -0.5), "--temperature"),
-    (("--top_k", 0), "--top_k"),
+    (("--top_k", -1), "--top_k"),
     (("--top_p", 0), "--top_p"),
     (("--top_p", 1.5), "--top_p"),
     (("--device", "tpu"), "device"),
@@ -225,10 +225,11 @@ def test_ctrl_c_stops_with_one_line_and_status_130_keeping_what_was_printed(tmp_
     assert errors_of(err) == ["interrupted"]
 
 
-def test_a_busy_cpu_is_reported_with_the_fix(capfd):
+def test_a_busy_cpu_is_reported_with_the_fix(capfd, monkeypatch):
     import os
     import time
     import cli
+    monkeypatch.setattr(cli, "warned", False)
     cores = len(os.sched_getaffinity(0))
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
     try:
@@ -277,7 +278,6 @@ def test_torchs_guess_of_a_cuda_home_prints_nothing_in_a_command_and_importing_t
 
 
 def test_ctrl_c_while_torch_is_still_importing_is_one_line_and_status_130():
-    import os
     import signal
     import time
     proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py")], stdout=subprocess.PIPE,
@@ -315,9 +315,10 @@ def busy(n):
     return spinning()
 
 
-def test_the_default_thread_count_leaves_the_busy_cores_and_says_so(capfd):
+def test_the_default_thread_count_leaves_the_busy_cores_and_says_so(capfd, monkeypatch):
     import os
     import cli
+    monkeypatch.setattr(cli, "warned", False)
     cores = len(os.sched_getaffinity(0))
     with busy(cores):
         chosen = cli.set_threads(None)
@@ -326,9 +327,21 @@ def test_the_default_thread_count_leaves_the_busy_cores_and_says_so(capfd):
     assert f"decoding uses {chosen} thread(s)" in err and len(err.splitlines()) == 1
 
 
-def test_threads_asked_for_get_no_advice_to_use_the_same_number(capfd):
+def test_a_busy_cpu_is_reported_once_a_process_however_many_models_load(capfd, monkeypatch):
     import os
     import cli
+    monkeypatch.setattr(cli, "warned", False)
+    with busy(len(os.sched_getaffinity(0))):
+        first = cli.set_threads(None)
+        cli.set_threads(None)
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and f"decoding uses {first} thread(s)" in err
+
+
+def test_threads_asked_for_get_no_advice_to_use_the_same_number(capfd, monkeypatch):
+    import os
+    import cli
+    monkeypatch.setattr(cli, "warned", False)
     with busy(len(os.sched_getaffinity(0))):
         cli.set_threads(1)
     err = capfd.readouterr().err
@@ -353,3 +366,26 @@ def test_a_finished_row_repeating_eos_streams_no_end_of_turn_token(chat_checkpoi
     for n in range(1, len(reply) + 9):  # the reply, then EOS 8 times, as a batch's finished row repeats it
         stream((reply + [end] * 8)[:n])
     assert capsys.readouterr().out == tok.decode(prompt + reply)[len(tok.decode(prompt)):]
+
+
+def test_help_gives_each_options_default_and_none_where_there_is_none():
+    import cli
+    import generate
+    text = " ".join(cli.generate_parser(generate.__doc__).format_help().split())
+    assert "at most (default: 200)" in text and "(default: the checkpoint's generation_config.json, else 0.8)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_sampling_flags_not_given_are_the_checkpoints_defaults_and_given_ones_win(tmp_path):
+    import json
+
+    import cli
+    import generate
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.2, "top_p": 0.9}))
+    p = cli.generate_parser(generate.__doc__)
+    args = p.parse_args(["--checkpoint_path", str(tmp_path)])
+    cli.sampling_options(p, args)
+    assert (args.temperature, args.top_k, args.top_p) == (0.2, 200, 0.9)  # top_k: the command's own default
+    args = p.parse_args(["--checkpoint_path", str(tmp_path), "--temperature", "0.7", "--top_k", "0"])
+    cli.sampling_options(p, args)
+    assert (args.temperature, args.top_k, args.top_p) == (0.7, 0, 0.9)  # (0: no limit)

@@ -196,7 +196,7 @@ def test_smollm2_loads_as_int4_layers_and_an_int8_head_with_float32_scales(smoll
         assert f.get_slice("layers.0.attention.wqkv.scales").get_dtype() == "F32"
         assert f.get_slice("tok_embeddings.weight").get_dtype() == "BF16"  # the default --dtype
     summary = smollm2["stdout"].strip().splitlines()[-1]
-    assert summary.startswith("converted ") and "(150 int4, 1 int8, 0 float layers)" in summary
+    assert summary.startswith("converted ") and "(150 int4, 1 int8, 0 float layers; 134,515,008 in the model" in summary
 
 
 # ---- the config and the RoPE layout against transformers ---------------------------------------------------------
@@ -271,3 +271,9 @@ def test_smollm2_int4_and_int8_perplexity_within_2_percent_of_float32(smollm2):
     ppl = {k: perplexity(checkpoint.load_model(smollm2[k], "cpu", torch.float32), tokenizer, text)[0]
            for k in ("fp32", "int4", "int8")}
     assert ppl["int4"] < ppl["fp32"] * 1.02 and ppl["int8"] < ppl["fp32"] * 1.02, ppl
+
+
+def test_the_files_sampling_defaults_become_the_checkpoints(tiny):
+    from tokenizer import sampling_defaults
+    _, native = tiny("sampling", sampling={"temp": 0.25, "top_k": 40, "top_p": 0.875, "min_p": 0.5})
+    assert sampling_defaults(native) == {"temperature": 0.25, "top_k": 40, "top_p": 0.875}

@@ -40,7 +40,7 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
     assert GRAPH["quantize"] <= {"model"} and GRAPH["cpu_gemv"] <= {"model"} and GRAPH["cuda_gemv"] <= {"model"}
     assert GRAPH["cpu_step"] <= {"model", "cpu_gemv"}
     assert GRAPH["tokenizer"] == set() and GRAPH["guided"] <= {"model"}
-    assert GRAPH["cli"] <= {"guided", "cpu_gemv", "cuda_gemv", "sampling"}  # the options, the kernels in a line
+    assert GRAPH["cli"] <= {"guided", "cpu_gemv", "cuda_gemv", "sampling", "tokenizer"}  # options, kernels in a line
     assert GRAPH["checkpoint"] <= {"model", "quantize", "cpu_gemv", "cuda_gemv", "tokenizer", "cli"}
     assert GRAPH["sampling"] == set()  # the one rule every loop and the engine draw with
     assert GRAPH["backend"] <= {"sampling", "model", "paged", "cpu_gemv", "cpu_step", "cuda_gemv", "cuda_step"}
@@ -49,7 +49,8 @@ def test_the_layers_are_model_then_checkpoint_then_generate_then_the_entry_point
         assert "generate" in GRAPH[entry] and not GRAPH[entry] & {"tp", "speculative", "eval", "trees"} - {entry}
     assert {"generate", "trees"} <= GRAPH["speculative"] and not GRAPH["speculative"] & {"tp", "eval"}
     assert {"speculative", "generate", "checkpoint"} <= GRAPH["tp"]
-    assert {"speculative", "generate", "guided"} <= GRAPH["llm"] and not GRAPH["llm"] & {"tp", "chat", "eval"}
+    assert {"speculative", "generate", "guided"} <= GRAPH["fast_decode"]
+    assert not GRAPH["fast_decode"] & {"tp", "chat", "eval"}
 
 
 def test_the_paged_cache_needs_only_model_py_and_the_engine_sits_beside_the_decoding_loops():
@@ -57,8 +58,8 @@ def test_the_paged_cache_needs_only_model_py_and_the_engine_sits_beside_the_deco
     assert GRAPH["engine"] <= {"paged", "generate", "guided", "cli", "model", "cpu_gemv", "cpu_step", "cuda_gemv",
                                "cuda_step", "sampling", "backend"}
     assert GRAPH["cuda_step"] == set()  # the recorded step takes the cache and the model it is given
-    assert "engine" in GRAPH["llm"]
-    assert not GRAPH["engine"] & {"speculative", "trees", "llm", "tp", "chat"}
+    assert "engine" in GRAPH["fast_decode"]
+    assert not GRAPH["engine"] & {"speculative", "trees", "fast_decode", "tp", "chat"}
 
 
 def test_every_file_is_within_its_line_budget():
@@ -68,3 +69,11 @@ def test_every_file_is_within_its_line_budget():
             (budgets.get(p.name, 600) if p.parent == ROOT else 600)}
     assert not over, f"past the budget (model.py 300, generate.py 450, any other 600): {over}"
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_pyproject_installs_every_top_level_module_and_pins_every_package():
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert sorted(project["tool"]["setuptools"]["py-modules"]) == sorted(p.stem for p in ROOT.glob("*.py"))
+    wanted = project["project"]["dependencies"] + project["project"]["optional-dependencies"]["test"]
+    assert all("==" in w for w in wanted), [w for w in wanted if "==" not in w]

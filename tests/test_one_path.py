@@ -11,7 +11,7 @@ PROMPTS = ["def parse(line):", "import os\nimport sys\n\n", "class Stack:\n    d
 
 @pytest.fixture(scope="module")
 def llm():
-    from llm import LLM
+    from fast_decode import LLM
     return LLM(BUILTIN, draft=DRAFT)
 
 
@@ -34,7 +34,7 @@ def test_top_p_alone_samples_the_same_alone_and_in_a_batch(llm):
 def test_greedy_tokens_are_the_same_alone_speculated_and_batched(mode, tmp_path):
     """Prompts shorter and longer than a prefill piece (128 positions; int4's 32) and than the engine's chunk
     (512 tokens a step), alone, speculated and as one batch."""
-    from llm import LLM
+    from fast_decode import LLM
     from quantize_checkpoint import quantize_checkpoint
     path = BUILTIN if mode == "bf16" else quantize_checkpoint(BUILTIN, mode, 32, out_dir=tmp_path)
     llm = LLM(path)
@@ -48,7 +48,7 @@ def test_greedy_tokens_are_the_same_alone_speculated_and_batched(mode, tmp_path)
 
 @pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
 def test_a_lone_greedy_request_is_the_same_through_generate_and_the_engine(cpu_kernels):
-    from llm import LLM
+    from fast_decode import LLM
     llm = LLM(BUILTIN, cpu_kernels=cpu_kernels)
     for p in PROMPTS:
         alone = llm.generate(p, temperature=0, max_new_tokens=24, speculate="plain").tokens
@@ -58,7 +58,7 @@ def test_a_lone_greedy_request_is_the_same_through_generate_and_the_engine(cpu_k
 @needs_smollm2
 def test_smollm2_int4_answers_a_chat_the_same_through_chat_and_the_engine(smollm2_imports):
     """The quick start's conversion: LLM.chat (what chat.py runs) and the engine (what serve.py and batch.py run)."""
-    from llm import LLM
+    from fast_decode import LLM
     llm = LLM(smollm2_imports["int4"])
     questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?"]
     alone = [llm.chat([{"role": "user", "content": q}], temperature=0, max_new_tokens=24).text for q in questions]

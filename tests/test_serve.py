@@ -103,7 +103,7 @@ def builtin(tmp_path_factory):
 
 def lone_greedy(prompt: str, n: int) -> str:
     """The built-in model's greedy text as generate.py --compile makes it alone."""
-    from llm import LLM
+    from fast_decode import LLM
     return LLM(BUILTIN, compile=True, threads=1).generate(prompt, max_new_tokens=n, temperature=0,
                                                             speculate=None).text
 
@@ -223,6 +223,16 @@ def test_an_api_key_guards_every_path_but_health(tmp_path):
         assert s.client("sesame").completions.create(model="stdlib-target", prompt="x", max_tokens=2).choices
 
 
+def test_a_request_without_sampling_fields_samples_as_the_models_generation_config_says(tmp_path):
+    from test_fast_decode import greedy_by_default
+    with serving(greedy_by_default(tmp_path / "ckpt"), tmp_path) as s:
+        model = s.client().models.list().data[0]
+        assert model.sampling_defaults == {"temperature": 0.0}
+        ask = lambda **o: s.client().completions.create(model=model.id, prompt="def f(x):", max_tokens=16, seed=3,
+                                                        **o).choices[0].text  # noqa: E731
+        assert ask() == ask(temperature=0) != ask(temperature=1)
+
+
 def test_sigterm_lets_a_running_request_finish_and_exits_0(tmp_path):
     with serving(BUILTIN, tmp_path, "--grace", 30) as s:
         c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
@@ -234,6 +244,18 @@ def test_sigterm_lets_a_running_request_finish_and_exits_0(tmp_path):
         rest = r.read().decode()
         assert rest.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in rest
         assert s.proc.wait(timeout=60) == 0
+
+
+def test_each_request_is_logged_in_a_line_and_stopping_says_so(tmp_path):
+    with serving(BUILTIN, tmp_path) as s:
+        s.client().completions.create(model="stdlib-target", prompt="x", max_tokens=2)
+        assert s.http("POST", "/v1/completions", {"prompt": "x", "temperature": -1})[0] == 400
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0
+        lines = s.log.read_text().splitlines()
+    assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in lines)
+    assert any('"POST /v1/completions HTTP/1.1" 400' in line for line in lines)
+    assert lines[-1] == "stopped serving stdlib-target"
 
 
 # ---- a real chat model ---------------------------------------------------------------------------------------------
@@ -282,6 +304,18 @@ def test_a_streamed_chat_starts_with_the_role_and_ends_with_the_finish(smollm2):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_past_the_end_of_turn_carries_no_special_token(smollm2, stream):
+    r = smollm2.client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=48, temperature=0,
+        extra_body={"ignore_eos": True}, **(dict(stream=True, stream_options={"include_usage": True}) if stream else {}))
+    chunks = list(r) if stream else [r]
+    text = "".join((c.choices[0].delta.content if stream else c.choices[0].message.content) or ""
+                   for c in chunks if c.choices)
+    assert "Paris" in text and "<|im_" not in text and chunks[-1].usage.completion_tokens == 48
 
 
 @pytest.mark.parametrize("fixture", ["checkpoint", "chat_checkpoint"])  # SentencePiece with bytes; byte-level BPE

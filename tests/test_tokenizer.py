@@ -212,3 +212,26 @@ def test_a_tokenizer_config_nested_too_deeply_is_refused_not_a_recursion_error(h
     (tmp_path / "tokenizer_config.json").write_text("[" * 100000)
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON: it is nested too deeply"):
         Tokenizer(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("kind", ["tokenizer.json", "tiktoken"])
+def test_the_text_of_new_tokens_leaves_special_tokens_out_and_the_ids_keep_them(kind, hf_tokenizer_dir,
+                                                                                 tiktoken_model_path):
+    import cli
+    tok = Tokenizer(hf_tokenizer_dir / "tokenizer.json" if kind == "tokenizer.json" else tiktoken_model_path)
+    names = ["<|im_end|>", "<|im_start|>"] if kind == "tokenizer.json" else ["<|eot_id|>", "<|start_header_id|>"]
+    prompt = tok.encode("the fox", bos=False)
+    row = tok.encode(f"jumps{names[0]}\n{names[1]}over", bos=False, specials=True)
+    assert {tok.token_id(n) for n in names} <= set(row)  # the ids are there
+    assert cli.new_text(tok, prompt, row) == "jumps\nover"
+    assert names[0] in tok.decode(row)  # decode shows them unless asked not to
+
+
+def test_sampling_defaults_are_the_valid_ones_generation_config_names(tmp_path):
+    import json
+
+    from tokenizer import sampling_defaults
+    assert sampling_defaults(tmp_path) == {}  # no file: none
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.2, "top_p": 1.5, "top_k": 0, "do_sample": True, "eos_token_id": 2}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.2, "top_k": 0}  # top_p 1.5 is no probability

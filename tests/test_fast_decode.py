@@ -1,4 +1,4 @@
-"""llm.py, the Python API: LLM loads a checkpoint once, generate and chat take keyword arguments and return
+"""fast_decode.py, the Python API: LLM loads a checkpoint once, generate and chat take keyword arguments and return
 Completions; on the built-in models, float32 where tokens are compared exactly."""
 import json
 import re
@@ -9,7 +9,7 @@ import torch
 
 import generate
 from conftest import needs_smollm2
-from llm import LLM, Completion
+from fast_decode import LLM, Completion
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET, DRAFT = ROOT / "checkpoints" / "stdlib-target", ROOT / "checkpoints" / "stdlib-draft"
@@ -175,3 +175,35 @@ def test_a_bad_sampling_option_in_one_prompt_of_many_fails_that_prompt_alone(llm
     done = llm.generate_many(["def f(x):", {"prompt": "def g(x):", "top_p": 0}], max_new_tokens=4, progress=False)
     assert done[0].finish_reason == "length" and done[1].finish_reason == "error"
     assert done[1].error == "top_p must be in (0, 1], got 0"
+
+
+@pytest.mark.parametrize("call", ["generate", "generate_many"])
+def test_an_unknown_keyword_is_a_value_error_with_the_closest_known_one(llm, call):
+    prompt = PROMPT if call == "generate" else [PROMPT]
+    with pytest.raises(ValueError, match=re.escape(f"{call} takes no keyword 'max_tokens'; did you mean "
+                                                   "'max_new_tokens'?")):
+        getattr(llm, call)(prompt, max_tokens=4)
+
+
+def test_an_unknown_keyword_in_one_prompt_of_many_fails_that_prompt_alone(llm):
+    done = llm.generate_many(["def f(x):", {"prompt": "def g(x):", "temprature": 0}], max_new_tokens=4,
+                             progress=False)
+    assert done[0].finish_reason == "length" and done[1].finish_reason == "error"
+    assert done[1].error == "a prompt of generate_many takes no keyword 'temprature'; did you mean 'temperature'?"
+
+
+def greedy_by_default(folder: Path) -> Path:
+    """The built-in target with a generation_config.json whose temperature is 0."""
+    folder.mkdir(exist_ok=True)
+    for f in TARGET.iterdir():
+        (folder / f.name).symlink_to(f)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0}))
+    return folder
+
+
+def test_sampling_not_given_is_the_models_generation_config_alone_and_in_a_batch(tmp_path):
+    llm = LLM(greedy_by_default(tmp_path / "ckpt"), dtype="float32", device="cpu")
+    greedy = llm.generate(PROMPT, max_new_tokens=16, temperature=0, speculate="plain").tokens
+    assert llm.generate(PROMPT, max_new_tokens=16, seed=3, speculate="plain").tokens == greedy
+    assert llm.generate_many([PROMPT], max_new_tokens=16, seed=3, progress=False)[0].tokens == greedy
+    assert llm.generate(PROMPT, max_new_tokens=16, temperature=0.8, seed=3, speculate="plain").tokens != greedy

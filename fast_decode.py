@@ -2,12 +2,14 @@
 arguments: plain, speculative (a draft model, prompt lookup, token trees), guided (JSON, a schema, a regex, a Lark
 grammar) and chat-templated, getting the text, the tokens and the figures back.
 
-    from llm import LLM
+    from fast_decode import LLM
     llm = LLM("checkpoints/stdlib-target", draft="checkpoints/stdlib-draft")
     out = llm.generate("def fibonacci(n):", max_new_tokens=40, temperature=0)  # speculate="auto"
     print(out.text, out.metrics["decode_tokens_per_sec"])
 
 A thin layer over generate.py, speculative.py, trees.py and guided.py, which the command-line tools use too."""
+import difflib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -19,7 +21,7 @@ import speculative
 from backend import Backend
 from checkpoint import checkpoint_files, load_model, load_tokenizer, plan
 from choose import auto as auto_chooser
-from sampling import Sampling
+from sampling import Sampling, with_defaults
 
 
 @dataclass
@@ -36,9 +38,10 @@ DRAFTED = ("auto", "draft", "tree", "staged")  # the methods that use a draft mo
 
 class LLM:
     """A loaded checkpoint (model, tokenizer) and its draft model (draft, or None). device: "auto", "cpu", "cuda",
-    "cuda:N" or "mps"; dtype: "bfloat16", "float16" or "float32"; compile: compile the steps (the first call
-    compiles); cpu_kernels: "auto" or "off"; kv_cache_dtype: None (the model's) or "int8"; max_seq_length: the
-    KV cache's length (default: the model's, at most 2048); threads: CPU threads (default: the free cores)."""
+    "cuda:N" or "mps"; dtype: "bfloat16", "float16" or "float32"; compile: a GPU's fast path, the steps as CUDA
+    graphs (the first call compiles; a CPU runs the C++ step without it); cpu_kernels: "auto" or "off";
+    kv_cache_dtype: None (the model's) or "int8"; max_seq_length: the KV cache's length (default: the model's, at
+    most 2048); threads: CPU threads (default: the free cores)."""
 
     def __init__(self, checkpoint: Union[str, Path], *, draft: Union[str, Path, None] = None,
                  device: str = "auto", dtype: str = "bfloat16", compile: bool = False, cpu_kernels: str = "auto",
@@ -70,7 +73,8 @@ class LLM:
 
     def generate(self, prompt: Union[str, list], **options) -> Union[Completion, list[Completion]]:
         """The continuation of prompt (a str: one Completion), or of each prompt of a list (many: a list of
-        Completions, see generate_many). Keywords: max_new_tokens=200, temperature=0.8 (0: greedy), top_k=200, top_p=1.0, seed,
+        Completions, see generate_many). Keywords: max_new_tokens=200; temperature (0: greedy), top_k (0: no
+        limit) and top_p, each by default the model's (its generation_config.json), else 0.8, 200 and 1.0; seed,
         stop (a list of strings), ignore_eos; speculate ("auto", the default: each round the guess expected to pay
         best among those below, or plain decoding when none pays, and always for a batch or with a grammar; None
         or "plain"; or one forced: "draft", "tree", "staged", "lookup", "suffix", "lookahead"), speculate_k=4,
@@ -80,6 +84,7 @@ class LLM:
         if not isinstance(prompt, str):
             return self.generate_many(prompt, **options)
         require(bool(prompt), "prompt must be a non-empty string or a list of prompts")
+        known(options, COMPLETE | {"chat", "system"}, "generate")
         chat, system = options.pop("chat", False), options.pop("system", None)
         require(system is None or chat, "system needs chat=True")
         if chat:
@@ -98,7 +103,8 @@ class LLM:
             "prompt must be a non-empty string or a non-empty list of strings or {'prompt': str, ...} dicts")
         require(options.pop("speculate", "auto") in ("auto", "plain", None) and options.pop("callback", None) is None,
                 "many prompts run through the engine, which neither speculates nor calls back: give one prompt")
-        Sampling(**{k: v for k, v in options.items() if k in Sampling.__dataclass_fields__})  # the call's own
+        known(options, PER_PROMPT, "generate_many")
+        self.sampling({k: v for k, v in options.items() if k in Sampling.__dataclass_fields__})  # the call's own
         requests, done = [self.request(p, options) for p in prompts], []
         if self.engine is None:
             from engine import Engine
@@ -122,13 +128,12 @@ class LLM:
         from engine import Request
         given = {**shared, **(prompt if isinstance(prompt, dict) else {"prompt": prompt})}
         text, chat, system = given.pop("prompt"), given.pop("chat", False), given.pop("system", None)
-        require(system is None or chat, "system needs chat=True")
         options = {k: given.pop(k) for k in list(given) if k in Sampling.__dataclass_fields__}
-        unknown = set(given) - {"json", "json_schema", "regex", "grammar"}
-        require(not unknown, f"unknown keywords for a prompt of many: {', '.join(sorted(unknown))}")
         r = Request([], eos_ids=() if options.get("ignore_eos") else tuple(self.tokenizer.eos_ids))
-        try:
-            r.sampling = Sampling(**options)  # the one check of the options: a prompt's own bad one fails it alone
+        try:  # a prompt's own bad option fails it alone
+            known(given, PER_PROMPT, "a prompt of generate_many")
+            require(system is None or chat, "system needs chat=True")
+            r.sampling = self.sampling(options)
             if chat:
                 self.check_template()
             grammars = guided.grammars(**given)
@@ -139,6 +144,11 @@ class LLM:
             r.finish_reason, r.error = "error", str(e)
         return r
 
+    def sampling(self, options: dict) -> Sampling:
+        """options checked (the one check, sampling.Sampling); temperature, top_k and top_p not given (or None)
+        are the model's own defaults (its generation_config.json), else 0.8, 200 and 1.0."""
+        return Sampling(**{**options, **with_defaults(options, self.tokenizer.sampling_defaults)})
+
     def chat(self, messages: list[dict], **options) -> Completion:
         """The assistant's reply to messages ([{"role": "user", "content": "..."}, ...]) through the model's chat
         template; keywords as generate's."""
@@ -146,6 +156,7 @@ class LLM:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages), "messages must be a non-empty list of {'role': str, 'content': str} dicts")
         self.check_template()
+        known(options, COMPLETE, "chat")
         text = self.tokenizer.apply_chat_template(messages)
         return self.complete([self.tokenizer.encode(text, bos=False, specials=True)], **options)[0]
 
@@ -153,8 +164,8 @@ class LLM:
         require(self.tokenizer.chat_template is not None, "this model has no chat template (no chat_template.jinja "
                 "or tokenizer_config.json chat_template beside its tokenizer): it is not a chat model")
 
-    def complete(self, prompts: list[list[int]], *, max_new_tokens: int = 200, temperature: float = 0.8,
-                 top_k: Optional[int] = 200, top_p: float = 1.0, seed: Optional[int] = None,
+    def complete(self, prompts: list[list[int]], *, max_new_tokens: int = 200, temperature: Optional[float] = None,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None, seed: Optional[int] = None,
                  stop: Optional[list[str]] = None, ignore_eos: bool = False, speculate: Optional[str] = "auto",
                  speculate_k: int = 4, ngram: int = 3, max_nodes: int = 32, fixed_k: bool = False,
                  json: bool = False, json_schema=None, regex: Optional[str] = None, grammar: Optional[str] = None,
@@ -162,7 +173,9 @@ class LLM:
         """generate's work on token-id prompts."""
         for name, value, lo in (("speculate_k", speculate_k, 1), ("ngram", ngram, 1), ("max_nodes", max_nodes, 1)):
             require(whole(value) and value >= lo, f"{name} must be a whole number of at least {lo}, got {value!r}")
-        Sampling(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)  # the one check of the options
+        o = self.sampling(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed, stop=stop, ignore_eos=ignore_eos))
+        temperature, top_k, top_p = o.temperature, o.top_k, o.top_p
         choose("speculate", speculate, (None, "plain") + speculative.SPECULATE)
         grammars = guided.grammars(json=json, json_schema=json_schema, regex=regex, grammar=grammar)
         require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
@@ -201,6 +214,18 @@ def request_metrics(r) -> dict:
     return {"prompt_tokens": len(r.prompt), "cached_tokens": r.cached_tokens, "completion_tokens": len(r.out),
             "ttft_ms": 1e3 * (first - t["arrived"]) if first and "arrived" in t else None,
             "decode_tokens_per_sec": rate, "total_s": end - t["arrived"] if end and "arrived" in t else None}
+
+
+COMPLETE = set(inspect.signature(LLM.complete).parameters) - {"self", "prompts"}  # generate's and chat's keywords
+PER_PROMPT = set(Sampling.__dataclass_fields__) | {"json", "json_schema", "regex", "grammar", "chat", "system"}
+
+
+def known(options: dict, allowed: set, what: str):
+    """A ValueError for the first keyword that is not one of allowed, with the closest that is."""
+    for name in options:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, sorted(allowed), n=1)
+            raise ValueError(f"{what} takes no keyword {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 def whole(value) -> bool:
