@@ -20,6 +20,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import gguf
 import numpy as np
@@ -65,6 +66,7 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes GGUF)")
+    print(f"reading {path} ({path.stat().st_size / 1e6:.0f} MB)", flush=True)  # a vocabulary takes seconds to parse
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises many types on a truncated or damaged file
@@ -186,7 +188,7 @@ def check_tensors(tensors: dict, args: ModelArgs, path: Path):
 
 # ---- the tokenizer -----------------------------------------------------------------------------------------------
 
-def tokenizer_files(reader, path: Path, vocab_size: int, tokenizer=None) -> dict:
+def tokenizer_files(reader, path: Path, vocab_size: int, tokenizer=None, sampling: Optional[dict] = None) -> dict:
     """{file name: text or Path}: tokenizer.json (or --tokenizer's file), tokenizer_config.json and
     generation_config.json (its end ids and sampling defaults), from the metadata."""
     tokens = field(reader, "tokenizer.ggml.tokens", list, [])
@@ -220,6 +222,7 @@ def tokenizer_files(reader, path: Path, vocab_size: int, tokenizer=None) -> dict
     for key, name in (("temp", "temperature"), ("top_k", "top_k"), ("top_p", "top_p")):  # the model's sampling
         if f"general.sampling.{key}" in reader.fields:  # defaults, as llama.cpp's converter stores them
             generation[name] = reader.fields[f"general.sampling.{key}"].contents()
+    generation.update(sampling or {})
     return {**files, "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
             "generation_config.json": json.dumps(generation, indent=2) + "\n"}
 
@@ -386,9 +389,10 @@ def convert_tensors(tensors: dict, args: ModelArgs, neox: bool, dtype, dequantiz
 # ---- the command -------------------------------------------------------------------------------------------------
 
 def convert_gguf(gguf_path, out_dir, dtype="bfloat16", dequantize: bool = False, tokenizer=None,
-                 force: bool = False) -> Path:
-    """Convert the GGUF file into a native checkpoint in out_dir. Raises ValueError with a one-line message on bad
-    input, before anything is written. Returns out_dir."""
+                 force: bool = False, sampling: Optional[dict] = None) -> Path:
+    """Convert the GGUF file into a native checkpoint in out_dir. sampling: the model's sampling defaults
+    ({"temperature": 0.2, ...}) for its generation_config.json, over any the metadata has. Raises ValueError with a
+    one-line message on bad input, before anything is written. Returns out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -396,7 +400,7 @@ def convert_gguf(gguf_path, out_dir, dtype="bfloat16", dequantize: bool = False,
     tensors = {t.name: t for t in reader.tensors}
     arch, args = read_args(reader, tensors, gguf_path)
     check_tensors(tensors, args, gguf_path)
-    files = tokenizer_files(reader, gguf_path, args.vocab_size, tokenizer)
+    files = tokenizer_files(reader, gguf_path, args.vocab_size, tokenizer, sampling)
     inputs = [gguf_path] + ([Path(tokenizer)] if tokenizer else [])
     checkpoint.check_writable(out_dir, force, inputs)
 
@@ -437,8 +441,18 @@ def main(argv=None):
                    "metadata's (needed where the GGUF holds a SentencePiece tokenizer)")
     p.add_argument("--force", action="store_true", help="replace an earlier checkpoint in --out_dir (refused if "
                    "the directory holds anything else)")
+    p.add_argument("--temperature", type=cli.finite_float, help="the model's default temperature, written to "
+                   "its generation_config.json over the metadata's (SmolLM2-135M-Instruct's: 0.2)")
+    p.add_argument("--top_p", type=cli.finite_float, help="the model's default top_p, likewise (SmolLM2's: 0.9)")
+    p.add_argument("--top_k", type=cli.whole_or_zero, help="the model's default top_k, likewise (0: no limit)")
     args = cli.one_line_errors(p).parse_args(argv)
-    convert_gguf(args.gguf, args.out_dir, args.dtype, args.dequantize, args.tokenizer, args.force)
+    from sampling import OptionError, Sampling
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
+    try:
+        Sampling(**sampling)  # the checks every entry point makes
+    except OptionError as e:
+        p.error(f"--{e}")
+    convert_gguf(args.gguf, args.out_dir, args.dtype, args.dequantize, args.tokenizer, args.force, sampling)
 
 
 if __name__ == "__main__":

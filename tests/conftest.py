@@ -4,10 +4,27 @@ import io
 import os
 import random
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    # the run's own temporary folder, which its workers and commands inherit: pytest's tmp_path, torch's compile
+    # cache and torchrun's files go there, so that a run that passes leaves nothing behind (pytest_sessionfinish)
+    tempfile.tempdir = os.environ["TMPDIR"] = RUN_TMP = tempfile.mkdtemp(prefix="fast-decode-tests-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that passed removes its temporary folder; one that failed keeps only the failed tests' folders."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for entry in Path(RUN_TMP).iterdir() if exitstatus != 0 else [Path(RUN_TMP)]:
+        if not entry.name.startswith("pytest-of-"):
+            shutil.rmtree(entry, ignore_errors=True)
+
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n 2 on two cores: a torch thread per worker. With two each, every one of a test's many small parallel

@@ -277,3 +277,10 @@ def test_the_files_sampling_defaults_become_the_checkpoints(tiny):
     from tokenizer import sampling_defaults
     _, native = tiny("sampling", sampling={"temp": 0.25, "top_k": 40, "top_p": 0.875, "min_p": 0.5})
     assert sampling_defaults(native) == {"temperature": 0.25, "top_k": 40, "top_p": 0.875}
+
+
+def test_the_converters_sampling_flags_win_over_the_files(tiny, tmp_path):
+    from tokenizer import sampling_defaults
+    path, _ = tiny("sampling_flags", sampling={"temp": 0.25, "top_p": 0.875})
+    convert_gguf(path, tmp_path / "out", "float32", sampling={"temperature": 0.5})
+    assert sampling_defaults(tmp_path / "out") == {"temperature": 0.5, "top_p": 0.875}
