@@ -6,8 +6,8 @@ or not, for any client of the OpenAI API (its `openai` package, curl, an agent o
 The engine runs in a thread of its own, stepping while it has work; HTTP handlers only check a request, queue it
 and read its tokens as the engine makes them. A client that disconnects cancels its request (its KV blocks go back
 at once); past --max_waiting queued requests, new ones get 429. Errors are the OpenAI API's error JSON: 400 for a
-bad body, 401 without the API key, 404 for an unknown model or path, 413 for a body or prompt too long, 429 when
-full. SIGTERM or Ctrl-C: no new requests, the running ones get --grace seconds to finish, then exit 0."""
+bad body (code context_length_exceeded for a prompt past the context), 401 without the API key, 404 for an unknown
+model or path, 413 for a body too long or a prompt the KV pool cannot hold, 429 when full. SIGTERM or Ctrl-C: no new requests, the running ones get --grace seconds to finish, then exit 0."""
 import argparse
 import asyncio
 import contextlib
@@ -305,13 +305,16 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         return body
 
     async def requests_for(tokens: list[int], o: dict, field: str) -> list:
+        """The engine's requests for one prompt: its n choices. Without max_tokens a completion writes 16 tokens, as
+        OpenAI's and vLLM's do, and a chat reply up to the end of the context."""
         from engine import Request
-        need(len(tokens) < context, f"the prompt is {len(tokens)} tokens: this server's context is {context}",
-             field, 413)
-        room = context - len(tokens)
-        limit, s = o["limit"] or room, o["sampling"]
-        need(limit <= room, f"max_tokens {limit} + the prompt's {len(tokens)} tokens exceed the context of "
-             f"{context}", "max_tokens")
+        room, s = context - len(tokens), o["sampling"]
+        limit = o["limit"] if o["limit"] is not None else 16 if field == "prompt" else max(room, 1)
+        if limit > room:  # in the words and code that clients (the openai SDK, litellm, LangChain) recognise
+            raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                           f"{len(tokens) + limit} tokens ({len(tokens)} in the messages, {limit} in the completion). "
+                           f"Please reduce the length of the messages or completion.", field,
+                           code="context_length_exceeded")
         eos = () if o["ignore_eos"] else tuple(tokenizer.eos_ids)
         seeds = [None if s.seed is None else (s.seed + i) % 2**64 for i in range(o["n"])]  # choice i: seed + i
         rs = [Request(tokens, replace(s, max_new_tokens=limit, seed=seed), eos, o["grammar"]) for seed in seeds]
@@ -551,8 +554,8 @@ def main(argv=None):
     if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without an API key: anyone who reaches it can use it (give "
               f"--api_key or set {KEY_ENV})", file=sys.stderr)
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.pool.n_blocks} KV blocks, "
-          f"{args.max_rows} requests at once)", file=sys.stderr, flush=True)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (context {engine.context} tokens, "
+          f"{engine.pool.n_blocks} KV blocks, {args.max_rows} requests at once)", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=args.grace))
     logging.getLogger("uvicorn.access").setLevel(logging.INFO)  # a line a request; uvicorn's own news: warnings only

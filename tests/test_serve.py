@@ -188,7 +188,7 @@ BAD = [  # (what, body as JSON text or an object, status)
     ("a schema that is no schema", {"prompt": "x", "response_format": {"type": "json_schema",
                                                                        "json_schema": {"schema": {"type": 5}}}}, 400),
     ("an unknown model", {"prompt": "x", "model": "gpt-9"}, 404),
-    ("a prompt past the context", {"prompt": [5] * 5000}, 413),
+    ("a prompt past the context", {"prompt": [5] * 5000}, 400),
 ]
 
 
@@ -196,6 +196,21 @@ BAD = [  # (what, body as JSON text or an object, status)
 def test_a_bad_request_gets_the_openai_error_json_with_its_status(builtin, what, body, status):
     got, answer = builtin.http("POST", "/v1/completions", body)
     assert got == status and isinstance(answer["error"]["message"], str) and answer["error"]["type"], answer
+
+
+def test_a_prompt_past_the_context_is_the_context_length_error_clients_recognise(builtin):
+    context = builtin.client().models.list().data[0].max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        builtin.client().completions.create(model="stdlib-target", prompt=[5] * 5000, max_tokens=4)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    assert e.value.body["message"] == (f"This model's maximum context length is {context} tokens. However, you "
+                                       f"requested 5004 tokens (5000 in the messages, 4 in the completion). Please "
+                                       f"reduce the length of the messages or completion.")
+
+
+def test_a_completion_without_max_tokens_writes_16_tokens(builtin):
+    r = builtin.client().completions.create(model="stdlib-target", prompt="def f(x):", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
 def test_a_body_over_the_limit_gets_413(builtin):
@@ -281,6 +296,13 @@ def test_chat_greedy_answer_is_generate_py_chats(smollm2, smollm2_imports):
     assert alone.returncode == 0, alone.stderr
     answer = r.choices[0].message.content
     assert "Paris" in answer and answer in alone.stdout and r.choices[0].message.role == "assistant"
+
+
+@needs_smollm2
+def test_a_chat_past_the_context_is_the_context_length_error(smollm2):
+    with pytest.raises(openai.BadRequestError) as e:
+        smollm2.client().chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x " * 5000}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
 @needs_smollm2
