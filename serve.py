@@ -353,6 +353,23 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
                                                          "owned_by": "fast-decode", "max_model_len": context,
                                                          "sampling_defaults": tokenizer.sampling_defaults}]})
 
+    async def tokenize(request):  # vLLM's shapes: the ids the server would run, a prompt's or chat messages'
+        body = await body_of(request)
+        if "messages" in body:
+            tokens = chat_tokens(tokenizer, body["messages"])
+        else:
+            need(isinstance(body.get("prompt"), str) and body["prompt"], "prompt must be a non-empty string", "prompt")
+            need(body.get("add_special_tokens", True) in (True, False), "add_special_tokens must be true or false",
+                 "add_special_tokens")
+            tokens = tokenizer.encode(body["prompt"], bos=body.get("add_special_tokens", True))
+        return JSONResponse({"count": len(tokens), "max_model_len": context, "tokens": tokens})
+
+    async def detokenize(request):
+        tokens = (await body_of(request)).get("tokens")
+        need(isinstance(tokens, list) and all(whole(t) and 0 <= t < vocab for t in tokens),
+             f"tokens must be a list of token ids in 0..{vocab - 1}", "tokens")
+        return JSONResponse({"prompt": tokenizer.decode(tokens)})
+
     async def health(request):
         return JSONResponse({"status": "ok"})
 
@@ -394,7 +411,8 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-              Route("/metrics", prometheus, methods=["GET"])]
+              Route("/metrics", prometheus, methods=["GET"]), Route("/tokenize", tokenize, methods=["POST"]),
+              Route("/detokenize", detokenize, methods=["POST"])]
     app = Starlette(routes=routes, middleware=[Middleware(KeyCheck)], lifespan=lifespan,
                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: crash})
     app.state.service = service

@@ -213,6 +213,19 @@ def test_a_completion_without_max_tokens_writes_16_tokens(builtin):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_tokenize_gives_the_ids_a_prompt_runs_as_and_detokenize_the_text_back(builtin):
+    from checkpoint import load_tokenizer, read_config
+    ids = load_tokenizer(BUILTIN, read_config(BUILTIN)).encode("def f(x):", bos=True)
+    status, got = builtin.http("POST", "/tokenize", {"prompt": "def f(x):"})
+    assert status == 200 and got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] > len(ids)
+    used = builtin.client().completions.create(model="stdlib-target", prompt="def f(x):", max_tokens=1).usage
+    assert used.prompt_tokens == len(ids)
+    assert builtin.http("POST", "/tokenize", {"prompt": "def f(x):", "add_special_tokens": False})[1]["tokens"] == ids[1:]
+    assert builtin.http("POST", "/detokenize", {"tokens": ids[1:]})[1] == {"prompt": "def f(x):"}
+    assert builtin.http("POST", "/detokenize", {"tokens": [-1]})[0] == 400
+    assert builtin.http("POST", "/tokenize", {"prompt": 5})[0] == 400
+
+
 def test_a_body_over_the_limit_gets_413(builtin):
     got, answer = builtin.http("POST", "/v1/completions", {"prompt": "x" * (2 << 20)})
     assert got == 413 and "body" in answer["error"]["message"]
