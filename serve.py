@@ -459,18 +459,20 @@ class Answer:
 
     async def whole(self, sink: asyncio.Queue, service: Service, request) -> dict:
         """Wait for every choice to finish (cancelling them if the client goes away meanwhile)."""
-        left = set(self.requests)
+        left, looked = set(self.requests), time.monotonic()
         try:
             while left:
                 try:
-                    r, _, finished = await asyncio.wait_for(sink.get(), timeout=1.0)
+                    r, _, finished = await asyncio.wait_for(sink.get(), timeout=0.5)
+                    if finished:
+                        left.discard(r)
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() - looked >= 0.5:  # twice a second, however fast the tokens come
+                    looked = time.monotonic()
                     if await request.is_disconnected():
                         service.cancel(list(left))
                         return {}
-                    continue
-                if finished:
-                    left.discard(r)
         finally:
             if left:
                 service.cancel(list(left))

@@ -319,6 +319,20 @@ def test_a_chat_past_the_context_is_the_context_length_error(smollm2):
 
 
 @needs_smollm2
+def test_a_client_that_hangs_up_on_a_whole_answer_cancels_it_while_its_tokens_keep_coming(smollm2):
+    before = smollm2.metric('requests_finished_total{reason="cancelled"}')
+    c = http.client.HTTPConnection("127.0.0.1", smollm2.port, timeout=120)
+    c.request("POST", "/v1/completions", json.dumps({"prompt": QUESTION, "max_tokens": 1500, "ignore_eos": True}))
+    time.sleep(1)  # it decodes
+    c.close()  # never read: the answer would take 1,500 tokens
+    for _ in range(1200):
+        if not smollm2.metric("requests_running"):
+            break
+        time.sleep(0.1)
+    assert smollm2.metric('requests_finished_total{reason="cancelled"}') == before + 1  # cancelled, not run out
+
+
+@needs_smollm2
 def test_chat_with_a_json_schema_answers_json_that_validates(smollm2):
     import jsonschema
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
