@@ -43,6 +43,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+MAX_PROMPTS = 256  # the engine requests one HTTP request may make: its prompts times n
+
+
 def need(ok: bool, message: str, param=None, status: int = 400):
     if not ok:
         raise ApiError(status, message, param)
@@ -115,16 +118,13 @@ def grammar(fmt):
     return None
 
 
-def prompt_tokens(tokenizer, prompt, vocab: int) -> list[int]:
-    """/v1/completions' prompt: a string, token ids, or a list holding one of them."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        need(bool(prompt), "prompt is empty", "prompt")
-        return tokenizer.encode(prompt, bos=True)
-    need(isinstance(prompt, list) and prompt and all(whole(t) and 0 <= t < vocab for t in prompt),
-         f"prompt must be a non-empty string or a list of token ids in 0..{vocab - 1} (one prompt a request)", "prompt")
-    return prompt
+def prompt_tokens(tokenizer, prompt, vocab: int) -> list[list[int]]:
+    """/v1/completions' prompt: a string, token ids, or a list of either (many prompts, each its own choices)."""
+    many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    for p in prompt if many else [prompt]:
+        need(isinstance(p, str) and p or isinstance(p, list) and p and all(whole(t) and 0 <= t < vocab for t in p),
+             f"prompt must be a non-empty string, a list of token ids in 0..{vocab - 1}, or a list of those", "prompt")
+    return [tokenizer.encode(p, bos=True) if isinstance(p, str) else p for p in (prompt if many else [prompt])]
 
 
 def chat_tokens(tokenizer, messages) -> list[int]:
@@ -329,14 +329,15 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         body = await body_of(request)
         o = sampling(body, tokenizer.sampling_defaults)
         if chat:
-            tokens = chat_tokens(tokenizer, body.get("messages"))
+            prompts = [chat_tokens(tokenizer, body.get("messages"))]
         else:
             need("prompt" in body, "prompt is required", "prompt")
-            tokens = prompt_tokens(tokenizer, body["prompt"], vocab)
-        rs = await requests_for(tokens, o, "messages" if chat else "prompt")
+            prompts = prompt_tokens(tokenizer, body["prompt"], vocab)
+        need(len(prompts) * o["n"] <= MAX_PROMPTS, f"prompts x n is at most {MAX_PROMPTS} a request", "n")
+        rs = [r for tokens in prompts for r in await requests_for(tokens, o, "messages" if chat else "prompt")]
         loop, sink = asyncio.get_running_loop(), asyncio.Queue()
         service.submit(rs, loop, sink)
-        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop)
+        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop, o["n"])  # choice i * n + j: prompt i's j-th
         if o["stream"]:
             return StreamingResponse(answer.stream(sink, service, o["usage"]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -425,8 +426,9 @@ START = time.time()
 class Answer:
     """The reply to one HTTP request: its n engine requests' text as it grows, whole or as server-sent events."""
 
-    def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop):
+    def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop, n: int = 1):
         self.tokenizer, self.requests, self.chat, self.model, self.stop = tokenizer, requests, chat, model, stop
+        self.prompts = requests[::n]  # one request of each prompt: the usage counts each prompt once
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created, self.sent = int(time.time()), [""] * len(requests)
         self.shown = [[max(len(r.prompt) - 6, 0), len(r.prompt), ""] for r in requests]  # see grown
@@ -448,9 +450,9 @@ class Answer:
 
     def usage(self) -> dict:
         done = sum(len(r.out) for r in self.requests)
-        prompt = len(self.requests[0].prompt)
+        prompt = sum(len(r.prompt) for r in self.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
-                "prompt_tokens_details": {"cached_tokens": self.requests[0].cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in self.prompts)}}
 
     def reason(self, r) -> str:
         if r.finish_reason == "error":

@@ -226,6 +226,19 @@ def test_tokenize_gives_the_ids_a_prompt_runs_as_and_detokenize_the_text_back(bu
     assert builtin.http("POST", "/tokenize", {"prompt": 5})[0] == 400
 
 
+def test_a_list_of_prompts_gets_n_choices_each_indexed_prompt_by_prompt(builtin):
+    from checkpoint import load_tokenizer, read_config
+    prompts = ["def add(a, b):", "class Stack:", load_tokenizer(BUILTIN, read_config(BUILTIN)).encode("import os")]
+    ask = lambda p, n=1: builtin.client().completions.create(model="stdlib-target", prompt=p, max_tokens=8, n=n,
+                                                             temperature=0)  # noqa: E731
+    alone = [ask(p) for p in prompts]
+    many = ask(prompts, n=2)
+    assert [c.index for c in many.choices] == list(range(6))
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert many.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+
+
 def test_a_body_over_the_limit_gets_413(builtin):
     got, answer = builtin.http("POST", "/v1/completions", {"prompt": "x" * (2 << 20)})
     assert got == 413 and "body" in answer["error"]["message"]
