@@ -26,6 +26,11 @@ def pytest_sessionfinish(session, exitstatus):
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if exitstatus != 0 and not os.environ.get("PYTEST_XDIST_WORKER") and Path(RUN_TMP).exists():
+        terminalreporter.write_line(f"the failed tests' folders are kept in {RUN_TMP} (delete it when done)")
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n 2 on two cores: a torch thread per worker. With two each, every one of a test's many small parallel
     # regions waited for a thread the other worker had descheduled: a sampling test of 20 s took 350. The commands
