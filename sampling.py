@@ -21,8 +21,14 @@ FALLBACK = {"temperature": 0.8, "top_k": 200, "top_p": 1.0}  # where neither the
 
 def with_defaults(given: dict, model: dict, fallback: dict = FALLBACK) -> dict:
     """given's temperature, top_k and top_p, each where given (not None), else the model's own default (its
-    generation_config.json: tokenizer.sampling_defaults), else fallback's."""
-    return {k: given[k] if given.get(k) is not None else model.get(k, v) for k, v in fallback.items()}
+    generation_config.json: tokenizer.sampling_defaults) where Sampling takes it, else fallback's."""
+    def own(name: str, otherwise):
+        try:
+            Sampling(**{name: model.get(name, otherwise)})  # the one check of an option
+        except OptionError:  # a value no request could give (a top_p of 1.5): not the model's to give either
+            return otherwise
+        return model.get(name, otherwise)
+    return {k: given[k] if given.get(k) is not None else own(k, v) for k, v in fallback.items()}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ The engine runs in a thread of its own, stepping while it has work; HTTP handler
 and read its tokens as the engine makes them. A client that disconnects cancels its request (its KV blocks go back
 at once); past --max_waiting queued requests, new ones get 429. Errors are the OpenAI API's error JSON: 400 for a
 bad body (code context_length_exceeded for a prompt past the context), 401 without the API key, 404 for an unknown
-model or path, 413 for a body too long or a prompt the KV pool cannot hold, 429 when full. SIGTERM or Ctrl-C: no new requests, the running ones get --grace seconds to finish, then exit 0."""
+model or path, 413 for a body too long or a prompt the KV pool cannot hold, 429 when full. SIGTERM or Ctrl-C: no
+new requests, the running ones get --grace seconds to finish, then exit 0."""
 import argparse
 import asyncio
 import contextlib
@@ -44,6 +45,7 @@ class ApiError(Exception):
 
 
 MAX_PROMPTS = 256  # the engine requests one HTTP request may make: its prompts times n
+API_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # OpenAI's, where neither request nor model says
 
 
 def need(ok: bool, message: str, param=None, status: int = 400):
@@ -65,7 +67,7 @@ def sampling(body: dict, model: dict) -> dict:
     """The OpenAI fields the engine honours, checked; fields that would change what kind of answer comes back, and
     that it cannot give, are refused; the others are ignored, as the OpenAI API ignores fields it does not know.
     temperature, top_p and top_k not sent are the model's defaults (model: its generation_config.json's), else
-    the API's (1, 1, none)."""
+    the API's (API_DEFAULTS)."""
     for name in REFUSED:
         need(body.get(name) in (None, False, [], ""), f"'{name}' is not supported by this server", name)
     need(body.get("logprobs") in (None, False, 0) and body.get("top_logprobs") in (None, 0),
@@ -75,7 +77,7 @@ def sampling(body: dict, model: dict) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         need(body.get(name) in (None, 0, 0.0), f"'{name}' is not supported by this server (0 only)", name)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    given = with_defaults(body, model, {"temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    given = with_defaults(body, model, API_DEFAULTS)
     temperature = given["temperature"]
     need(not number(temperature) or temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
     seed, stop = body.get("seed"), body.get("stop")
@@ -352,7 +354,8 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": int(START),
                                                          "owned_by": "fast-decode", "max_model_len": context,
-                                                         "sampling_defaults": tokenizer.sampling_defaults}]})
+                                                         "sampling_defaults": with_defaults(
+                                                             {}, tokenizer.sampling_defaults, API_DEFAULTS)}]})
 
     async def tokenize(request):  # vLLM's shapes: the ids the server would run, a prompt's or chat messages'
         body = await body_of(request)

@@ -5,7 +5,6 @@ give the special tokens, every end-of-sequence id and the chat template, read as
 import base64
 import binascii
 import json
-import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -180,13 +179,10 @@ class Tokenizer:
 
 
 def sampling_defaults(folder: Path) -> dict:
-    """The sampling options a checkpoint's generation_config.json sets, as vLLM reads them: each of temperature,
-    top_k (0: no limit) and top_p that it names with a valid value. Where the user gives one, the user's wins."""
-    generation, valid = _read_json(Path(folder) / "generation_config.json"), {
-        "temperature": lambda v: v >= 0, "top_k": lambda v: v == int(v) and v >= 0, "top_p": lambda v: 0 < v <= 1}
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-    return {k: (int if k == "top_k" else float)(generation[k]) for k, ok in valid.items()
-            if number(generation.get(k)) and ok(generation[k])}
+    """The sampling options a checkpoint's generation_config.json names (temperature, top_k, top_p), as vLLM reads
+    them; sampling.with_defaults checks each and uses it where the user gives none."""
+    generation = _read_json(Path(folder) / "generation_config.json")
+    return {k: generation[k] for k in ("temperature", "top_k", "top_p") if k in generation}
 
 
 def _read_json(path: Path) -> dict:

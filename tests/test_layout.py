@@ -77,3 +77,5 @@ def test_pyproject_installs_every_top_level_module_and_pins_every_package():
     assert sorted(project["tool"]["setuptools"]["py-modules"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     wanted = project["project"]["dependencies"] + project["project"]["optional-dependencies"]["test"]
     assert all("==" in w for w in wanted), [w for w in wanted if "==" not in w]
+    listed = [line for line in (ROOT / "requirements.txt").read_text().splitlines() if not line.startswith("#")]
+    assert listed == ["-e ."]  # the same pins, read from pyproject.toml: one list

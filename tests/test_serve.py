@@ -268,7 +268,7 @@ def test_a_request_without_sampling_fields_samples_as_the_models_generation_conf
     from test_fast_decode import greedy_by_default
     with serving(greedy_by_default(tmp_path / "ckpt"), tmp_path) as s:
         model = s.client().models.list().data[0]
-        assert model.sampling_defaults == {"temperature": 0.0}
+        assert model.sampling_defaults == {"temperature": 0, "top_k": 0, "top_p": 1.0}  # the model's, else the API's
         ask = lambda **o: s.client().completions.create(model=model.id, prompt="def f(x):", max_tokens=16, seed=3,
                                                         **o).choices[0].text  # noqa: E731
         assert ask() == ask(temperature=0) != ask(temperature=1)

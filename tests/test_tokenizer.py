@@ -227,11 +227,15 @@ def test_the_text_of_new_tokens_leaves_special_tokens_out_and_the_ids_keep_them(
     assert names[0] in tok.decode(row)  # decode shows them unless asked not to
 
 
-def test_sampling_defaults_are_the_valid_ones_generation_config_names(tmp_path):
+def test_sampling_defaults_are_what_generation_config_names_and_the_sampler_takes_the_valid_ones(tmp_path):
     import json
 
+    from sampling import with_defaults
     from tokenizer import sampling_defaults
     assert sampling_defaults(tmp_path) == {}  # no file: none
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.2, "top_p": 1.5, "top_k": 0, "do_sample": True, "eos_token_id": 2}))
-    assert sampling_defaults(tmp_path) == {"temperature": 0.2, "top_k": 0}  # top_p 1.5 is no probability
+    model = sampling_defaults(tmp_path)
+    assert model == {"temperature": 0.2, "top_p": 1.5, "top_k": 0}
+    assert with_defaults({}, model) == {"temperature": 0.2, "top_k": 0, "top_p": 1.0}  # 1.5 is no probability
+    assert with_defaults({"temperature": 0.7, "top_k": None}, model) == {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
