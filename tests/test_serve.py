@@ -384,7 +384,7 @@ def test_text_past_the_end_of_turn_carries_no_special_token(smollm2, stream):
 def test_streamed_text_grown_a_token_at_a_time_is_the_whole_texts(fixture, request):
     import random
 
-    import serve
+    import openai_api
     from checkpoint import load_tokenizer, read_config
     from engine import Request
     path = request.getfixturevalue(fixture)
@@ -392,7 +392,7 @@ def test_streamed_text_grown_a_token_at_a_time_is_the_whole_texts(fixture, reque
     for text in ("Grüße, 世界! naïve café -> ok", None, None):  # then any ids: cut characters, spaces, specials
         ids = tok.encode(text, bos=False) if text else [rng.randrange(tok.vocab_size) for _ in range(150)]
         r = Request(ids[:10], out=ids[10:])
-        answer = serve.Answer(tok, [r], chat=False, model="m", stop=None)
+        answer = openai_api.Answer(tok, [r], chat=False, model="m", stop=None)
         for n in range(1, len(r.out) + 1):
             whole = answer.text(r, n)
             grown = answer.grown(0, r, n)

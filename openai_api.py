@@ -1,0 +1,239 @@
+"""The OpenAI API's shapes: a request's body checked and turned into the engine's terms (sampling options, a
+grammar, prompt tokens), and the reply built from the engine's requests, whole or as server-sent events. serve.py
+serves them; errors are ApiError, which it answers as the API's error JSON."""
+import asyncio
+import json
+import math
+import time
+import uuid
+
+import cli
+from sampling import OptionError, Sampling, with_defaults
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix", "echo")  # would change the answer's kind
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param=None, kind: str = "invalid_request_error", code=None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+MAX_PROMPTS = 256  # the engine requests one HTTP request may make: its prompts times n
+API_DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # OpenAI's, where neither request nor model says
+
+
+def need(ok: bool, message: str, param=None, status: int = 400):
+    if not ok:
+        raise ApiError(status, message, param)
+
+
+def whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# ---- a request's body -> the engine's Request --------------------------------------------------------------------
+
+def sampling(body: dict, model: dict) -> dict:
+    """The OpenAI fields the engine honours, checked; fields that would change what kind of answer comes back, and
+    that it cannot give, are refused; the others are ignored, as the OpenAI API ignores fields it does not know.
+    temperature, top_p and top_k not sent are the model's defaults (model: its generation_config.json's), else
+    the API's (API_DEFAULTS)."""
+    for name in REFUSED:
+        need(body.get(name) in (None, False, [], ""), f"'{name}' is not supported by this server", name)
+    need(body.get("logprobs") in (None, False, 0) and body.get("top_logprobs") in (None, 0),
+         "logprobs are not supported by this server", "logprobs")
+    need(body.get("best_of") in (None, 1), "best_of must be 1 on this server", "best_of")
+    need(not body.get("logit_bias"), "logit_bias is not supported by this server", "logit_bias")
+    for name in ("presence_penalty", "frequency_penalty"):
+        need(body.get(name) in (None, 0, 0.0), f"'{name}' is not supported by this server (0 only)", name)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    given = with_defaults(body, model, API_DEFAULTS)
+    temperature = given["temperature"]
+    need(not number(temperature) or temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
+    seed, stop = body.get("seed"), body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    need(not isinstance(stop, list) or len(stop) <= 16, "stop must be a string or a list of at most 16", "stop")
+    try:  # the checks every entry point makes (sampling.py); the API's own bounds above
+        o = Sampling(1 if limit is None else limit, temperature, given["top_k"], given["top_p"],
+                     seed % 2**64 if whole(seed) else seed, stop)
+    except OptionError as e:
+        raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"),
+                       "max_tokens" if e.param == "max_new_tokens" else e.param) from None
+    n = 1 if body.get("n") is None else body["n"]
+    need(whole(n) and 1 <= n <= 16, "n must be a whole number from 1 to 16", "n")
+    for name in ("stream", "ignore_eos"):
+        need(body.get(name) in (None, True, False), f"{name} must be true or false", name)
+    options = body.get("stream_options")
+    need(options is None or isinstance(options, dict) and options.get("include_usage") in (None, True, False),
+         "stream_options must be an object whose include_usage is true or false", "stream_options")
+    return dict(sampling=o, limit=limit, n=n, ignore_eos=bool(body.get("ignore_eos")), stream=bool(body.get(
+        "stream")), usage=bool((options or {}).get("include_usage")), grammar=grammar(body.get("response_format")))
+
+
+def grammar(fmt):
+    """response_format as llguidance's grammar text (guided.grammars), or None for plain text."""
+    if fmt is None:
+        return None
+    need(isinstance(fmt, dict) and fmt.get("type") in RESPONSE_FORMATS,
+         f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}", "response_format")
+    import guided
+    if fmt["type"] == "json_object":
+        return guided.grammars(json=True)[0]
+    if fmt["type"] == "json_schema":
+        spec = fmt.get("json_schema")
+        need(isinstance(spec, dict) and isinstance(spec.get("schema"), dict),
+             "response_format json_schema needs json_schema.schema, an object", "response_format")
+        try:
+            return guided.grammars(json_schema=spec["schema"])[0]
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"response_format: the schema cannot be used: {str(e)[:300]}", "response_format")
+    return None
+
+
+def prompt_tokens(tokenizer, prompt, vocab: int) -> list[list[int]]:
+    """/v1/completions' prompt: a string, token ids, or a list of either (many prompts, each its own choices)."""
+    many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    for p in prompt if many else [prompt]:
+        need(isinstance(p, str) and p or isinstance(p, list) and p and all(whole(t) and 0 <= t < vocab for t in p),
+             f"prompt must be a non-empty string, a list of token ids in 0..{vocab - 1}, or a list of those", "prompt")
+    return [tokenizer.encode(p, bos=True) if isinstance(p, str) else p for p in (prompt if many else [prompt])]
+
+
+def chat_tokens(tokenizer, messages) -> list[int]:
+    """/v1/chat/completions' messages through the model's chat template."""
+    need(tokenizer.chat_template is not None, "this model has no chat template: use /v1/completions", "messages")
+    need(isinstance(messages, list) and messages, "messages must be a non-empty list", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        need(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant"),
+             f"messages[{i}] must be an object whose role is system, developer, user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # parts: text only
+            need(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                     for p in content), f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        need(isinstance(content, str), f"messages[{i}].content must be a string or a list of text parts", "messages")
+        turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return tokenizer.encode(tokenizer.apply_chat_template(turns), bos=False, specials=True)
+
+
+
+
+
+
+class Answer:
+    """The reply to one HTTP request: its n engine requests' text as it grows, whole or as server-sent events."""
+
+    def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop, n: int = 1):
+        self.tokenizer, self.requests, self.chat, self.model, self.stop = tokenizer, requests, chat, model, stop
+        self.prompts = requests[::n]  # one request of each prompt: the usage counts each prompt once
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created, self.sent = int(time.time()), [""] * len(requests)
+        self.shown = [[max(len(r.prompt) - 6, 0), len(r.prompt), ""] for r in requests]  # see grown
+        self.hold = max(map(len, stop or [""]), default=1) - 1  # a stop string's start may be in the latest text
+
+    def text(self, r, n: int) -> str:
+        return cli.new_text(self.tokenizer, r.prompt, r.out[:n], self.stop)
+
+    def grown(self, i: int, r, n: int) -> str:
+        """Choice i's new text through its first n tokens, for streaming: each time only the tokens since the last
+        whole piece are decoded, after a few before them for context (so spaces and merged bytes come out as in the
+        whole text), and the text they add is appended. A step costs the same however long prompt and answer."""
+        start, read, text = self.shown[i]
+        tokens = r.prompt[start:] + r.out[max(start - len(r.prompt), 0) : n]  # [tokens since start]
+        before, now = (self.tokenizer.decode(t, specials=False) for t in (tokens[: read - start], tokens))
+        if len(now) > len(before) and not now.endswith("\ufffd"):  # (a character still cut: wait for its bytes)
+            self.shown[i] = [read, start + len(tokens), text + now[len(before):]]
+        return self.shown[i][2]
+
+    def usage(self) -> dict:
+        done = sum(len(r.out) for r in self.requests)
+        prompt = sum(len(r.prompt) for r in self.prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in self.prompts)}}
+
+    def reason(self, r) -> str:
+        if r.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {r.error}", kind="server_error")
+        return "stop" if r.finish_reason == "stop" else "length"
+
+    async def whole(self, sink: asyncio.Queue, service, request) -> dict:
+        """Wait for every choice to finish (cancelling them if the client goes away meanwhile)."""
+        left, looked = set(self.requests), time.monotonic()
+        try:
+            while left:
+                try:
+                    r, _, finished = await asyncio.wait_for(sink.get(), timeout=0.5)
+                    if finished:
+                        left.discard(r)
+                except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() - looked >= 0.5:  # twice a second, however fast the tokens come
+                    looked = time.monotonic()
+                    if await request.is_disconnected():
+                        service.cancel(list(left))
+                        return {}
+        finally:
+            if left:
+                service.cancel(list(left))
+        choices = []
+        for i, r in enumerate(self.requests):
+            text = self.text(r, len(r.out))
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": i, **content, "finish_reason": self.reason(r), "logprobs": None})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def chunk(self, i: int, text, finish=None) -> str:
+        if self.chat:
+            delta = {} if text is None else {"content": text} if i >= 0 else {"role": "assistant", "content": ""}
+            choice = {"index": max(i, 0), "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return self.event({"choices": [choice]})
+
+    def event(self, payload: dict) -> str:
+        payload = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                   "created": self.created, "model": self.model, **payload}
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def stream(self, sink: asyncio.Queue, service, usage: bool):
+        """Server-sent events: each choice's new text as it comes, held back while it may be the start of a stop
+        string or of a character not yet whole; its finish; the usage if asked; [DONE]. Cancelled if the client
+        goes away (the response's task is cancelled: the finally clause runs)."""
+        left, index = set(self.requests), {r: i for i, r in enumerate(self.requests)}
+        try:
+            if self.chat:
+                for i in range(len(self.requests)):
+                    yield self.chunk(-1 - i, "")
+            while left:
+                r, n, finished = await sink.get()
+                i = index[r]
+                text = self.text(r, n) if finished else cli.cut_text(self.grown(i, r, n), self.stop)
+                ready = text if finished else text[: max(len(self.sent[i]), len(text) - self.hold)]
+                if not finished and ready.endswith("\ufffd"):
+                    ready = ready[:-1]
+                if len(ready) > len(self.sent[i]) and ready.startswith(self.sent[i]):
+                    yield self.chunk(i, ready[len(self.sent[i]):])
+                    self.sent[i] = ready
+                if finished:
+                    left.discard(r)
+                    try:
+                        yield self.chunk(i, None, self.reason(r))
+                    except ApiError as e:
+                        yield f"data: {json.dumps(e.body())}\n\n"
+            if usage:
+                yield self.event({"choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            if left:
+                service.cancel(list(left))
