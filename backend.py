@@ -190,11 +190,18 @@ class Paged:
         self.cpp.cpp.paged(torch.tensor(tokens)[:, None], torch.tensor(pos)[:, None], table, self.logits)
         return self.logits[: len(tokens)]
 
-    def prefill(self, chunk: list[int], start: int, blocks: list[int]) -> Tensor:  # -> [1, V]
-        """The logits after a chunk of a prompt from position start, whose K and V it writes: in C++ pieces
-        (Step.piece tokens, each token then computed as alone, however the prompt is cut), else model.py's."""
+    def prefill(self, chunk: list[int], start: int, blocks: list[int], every: bool = False) -> Tensor:
+        """The logits [1, V] after a chunk of a prompt from position start, whose K and V it writes, or with every
+        those after each of its tokens [len(chunk), V]: in C++ pieces (Step.piece tokens, each token then computed
+        as alone, however the prompt is cut), else model.py's."""
         if self.cpp is None:
-            return self.forward([chunk], [start], [blocks], last=True)[:, -1]
+            out = self.forward([chunk], [start], [blocks], last=not every)[0]  # [S or 1, V]
+            return out if every else out[-1:]
+        if every:  # each token a row of its own over the same blocks: a layer writes every row's K and V first
+            n, table = len(chunk), torch.tensor([blocks] * len(chunk))  # [n, W]
+            logits = torch.empty(n, self.logits.size(1))
+            self.cpp.cpp.paged(torch.tensor(chunk)[:, None], torch.arange(start, start + n)[:, None], table, logits)
+            return logits
         table, logits = torch.tensor([blocks]), torch.empty(1, self.logits.size(1))  # [1, W], [1, V]
         for i in range(0, len(chunk), self.cpp.piece):
             piece = chunk[i : i + self.cpp.piece]

@@ -4,9 +4,9 @@ answer written as a line of JSON.
     python batch.py --prompts_file questions.txt --output answers.jsonl --temperature 0
 
 --prompts_file holds one prompt per line, or JSON Lines, each {"prompt": "...", ...} with its own options if it
-wants them (max_new_tokens, temperature, top_k, top_p, seed, stop, json_schema, regex, ...). A prompt that cannot
-run (too long, a bad schema) gets "finish_reason": "error" and its error; the others run. When none could run,
-the answers are still written and the exit status is 2."""
+wants them (max_new_tokens, temperature, top_k, top_p, min_p, the penalties, logit_bias, logprobs, seed, stop,
+json_schema, regex, ...). A prompt that cannot run (too long, a bad schema) gets "finish_reason": "error" and its
+error; the others run. When none could run, the answers are still written and the exit status is 2."""
 import argparse
 import json
 import sys
@@ -44,6 +44,15 @@ def main(argv=None):
                    "an existing file is never overwritten")
     p.add_argument("--checkpoint_path", type=Path, default=cli.DEFAULT_CHECKPOINT, help="the model's folder")
     cli.add_sampling_options(p, default_seed=None)  # (the seed: each request's, the same for every prompt)
+    p.add_argument("--min_p", type=cli.finite_float, default=0.0, help="drop tokens less likely than this times the "
+                   "likeliest (after temperature), in [0, 1]")
+    for name, what in (("presence", "once if the answer holds it"), ("frequency", "once per time the answer holds it")):
+        p.add_argument(f"--{name}_penalty", type=cli.finite_float, default=0.0, help=f"subtracted from a token's "
+                       f"logit {what}, -2 to 2")
+    p.add_argument("--repetition_penalty", type=cli.finite_float, default=1.0, help="divides the positive logits of "
+                   "the tokens in prompt or answer (multiplies the negative), > 0; 1: none")
+    p.add_argument("--logprobs", type=cli.whole_or_zero, help="write each new token's log-probability and this many "
+                   "likeliest alternatives (the model's own distribution, before temperature and penalties)")
     p.add_argument("--chat", action="store_true", help="each prompt as a user turn in the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     p.add_argument("--concurrency", type=cli.positive_int, default=16, help="requests decoding at once")
@@ -64,11 +73,12 @@ def main(argv=None):
     t0 = time.perf_counter()
     answers = llm.generate_many(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                                ignore_eos=args.ignore_eos, chat=args.chat,
-                                system=args.system, progress=sys.stderr.isatty())
+                                ignore_eos=args.ignore_eos, chat=args.chat, system=args.system,
+                                progress=sys.stderr.isatty(), **cli.engine_sampling(args))
     seconds = time.perf_counter() - t0
     lines = "".join(json.dumps({"prompt": q if isinstance(q, str) else q["prompt"], "text": a.text,
                                 "finish_reason": a.finish_reason, **({"error": a.error} if a.error else {}),
+                                **({"logprobs": a.logprobs} if a.logprobs is not None else {}),
                                 "usage": a.metrics}) + "\n" for q, a in zip(prompts, answers))
     if args.output is None:
         sys.stdout.write(lines)

@@ -420,9 +420,14 @@ def sampling_options(p: argparse.ArgumentParser, args: argparse.Namespace):
         setattr(args, name, value)
     try:
         Sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, getattr(args, "seed", None),
-                 getattr(args, "stop", None), bool(getattr(args, "ignore_eos", False)))
+                 getattr(args, "stop", None), bool(getattr(args, "ignore_eos", False)), **engine_sampling(args))
     except OptionError as e:
         p.error(f"--{e}")
+
+
+def engine_sampling(args: argparse.Namespace) -> dict:  # the flags only the engine takes (batch.py's), given
+    names = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
+    return {k: getattr(args, k) for k in names if hasattr(args, k)}
 
 
 def parse_generate_args(argv, p: argparse.ArgumentParser) -> argparse.Namespace:

@@ -17,7 +17,7 @@ import torch
 
 from backend import Paged
 from paged import BlockPool, block_hash
-from sampling import NOT_FINITE, Sampling, pick
+from sampling import NOT_FINITE, Sampling, logprobs, pick
 
 
 @dataclass(eq=False)
@@ -40,6 +40,8 @@ class Request:
     matcher: object = None
     uniforms: Optional[list] = None  # one per new token, from its seed (sampling.py)
     keep: Optional[Callable] = None  # stop strings: (row, new tokens) -> the tokens to keep
+    logprobs: list = field(default_factory=list)  # out[i]'s (log-probability, alternatives), if sampling.logprobs
+    prompt_logprobs: list = field(default_factory=list)  # prompt[i]'s, if sampling.prompt_logprobs (None first)
 
     @property
     def tokens(self) -> list[int]:  # what its KV must hold before it samples the next token
@@ -48,6 +50,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def scoring(self) -> bool:  # its prompt's log-probabilities are still to compute: it shares no cached blocks
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
 
 class Engine:
@@ -98,6 +104,9 @@ class Engine:
                              f"the context of {self.context} tokens")
         if -(-(len(r.prompt) + options.max_new_tokens) // self.pool.block_size) > self.pool.n_blocks:
             raise ValueError(f"the request needs more KV blocks than the pool holds ({self.pool.n_blocks})")
+        vocab = self.model.args.vocab_size
+        if options.logit_bias and max(t for t, _ in options.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names a token past the vocabulary (0..{vocab - 1})")
         if r.grammar is not None and r.matcher is None:
             r.matcher = self.matcher(r.grammar)
         if not options.greedy and r.uniforms is None:
@@ -191,9 +200,9 @@ class Engine:
             parent = block_hash(parent, tuple(tokens[i * size : (i + 1) * size]))
             hashes.append(parent)
         hits = 0
-        while hits < full and self.pool.by_hash.get(hashes[hits]) is not None:
-            hits += 1
-        if hits < full and hashes[hits] in self.computing:  # a running request is filling that block: wait for it
+        while hits < full and not r.scoring and self.pool.by_hash.get(hashes[hits]) is not None:
+            hits += 1  # (cached blocks hold K and V, not the logits a scoring request reads)
+        if hits < full and not r.scoring and hashes[hits] in self.computing:  # another request is filling it: wait
             return False
         need = -(-len(tokens) // size) - hits
         cached = sum(1 for i in range(hits) if self.pool.refs[self.pool.by_hash[hashes[i]]] == 0)
@@ -258,10 +267,13 @@ class Engine:
         t1 = time.perf_counter()
         due = list(decode)
         for r, n in chunks:
-            out = self.prefill(r, r.tokens[r.computed : r.computed + n])  # [1, V]
+            scoring = r.scoring
+            out = self.prefill(r, r.tokens[r.computed : r.computed + n], scoring)  # [n or 1, V]
+            if scoring:
+                self.score(r, out)
             if r.computed + n == len(r.tokens):  # its whole text is in the cache: a token is due
                 due.append(r)
-                parts.append(out)
+                parts.append(out[-1:])
         t2 = time.perf_counter()  # (the forward passes queue work on a GPU: there the split is rough)
         self.stats["decode_s"] += t1 - t0
         self.stats["prefill_s"] += t2 - t1
@@ -276,9 +288,30 @@ class Engine:
                 every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
                 ok = torch.stack([every if m is None else m for m in masks])
             u = [r.uniforms[len(r.out)] if r.uniforms else 0.0 for r in due]
-            for r, token in zip(due, pick(rows, [r.sampling for r in due], u, ok)):
-                self.emit(r, None if token == NOT_FINITE else token)
+            options = [r.sampling for r in due]
+            seen = [(r.prompt, r.out) if r.sampling.adjusts else None for r in due]
+            tokens = pick(rows, options, u, ok, seen)
+            lps = self.logprobs(rows, due, tokens)
+            for r, token, lp in zip(due, tokens, lps):
+                self.emit(r, None if token == NOT_FINITE else token, lp)
         return due
+
+    def logprobs(self, rows, due: list[Request], tokens: list[int]) -> list:  # rows [N, V] -> each row's or None
+        asked = [i for i, r in enumerate(due) if r.sampling.logprobs is not None]
+        if not asked:
+            return [None] * len(due)
+        k = max(due[i].sampling.logprobs for i in asked)
+        got = dict(zip(asked, logprobs(rows[asked], [tokens[i] for i in asked], k)))
+        return [(got[i][0], got[i][1][: r.sampling.logprobs]) if i in got else None for i, r in enumerate(due)]
+
+    def score(self, r: Request, out):  # out [n, V]: the logits after each token of the chunk just computed
+        """Note the log-probability of each prompt token that out predicts (the first token's: None)."""
+        start = r.computed  # out[j]: the distribution of token start + j + 1
+        if not r.prompt_logprobs:
+            r.prompt_logprobs.append(None)
+        a, b = len(r.prompt_logprobs), min(len(r.prompt), start + out.size(0) + 1)
+        if b > a:
+            r.prompt_logprobs += logprobs(out[a - 1 - start : b - 1 - start], r.prompt[a:b], r.sampling.prompt_logprobs)
 
     def allowed(self, r: Request, vocab: int):  # -> [V] bool, the tokens r's grammar allows now; None: no grammar
         import guided
@@ -291,8 +324,8 @@ class Engine:
     def decode(self, rows: list[Request]):  # -> [B, V]: the next token's logits of rows adding their last one
         return self.passes.decode([r.tokens[-1] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
 
-    def prefill(self, r: Request, chunk: list[int]):  # -> [1, V]: the logits after a chunk of r's prompt
-        return self.passes.prefill(chunk, r.computed, r.blocks)
+    def prefill(self, r: Request, chunk: list[int], every: bool = False):  # -> [1, V], or [len(chunk), V] (every)
+        return self.passes.prefill(chunk, r.computed, r.blocks, every)  # the logits after a chunk of r's prompt
 
     def register(self, r: Request):  # its blocks filled this step, now shareable by content
         size, tokens = self.pool.block_size, r.tokens
@@ -305,8 +338,9 @@ class Engine:
             if self.computing.get(r.hashes[-1]) is r:
                 del self.computing[r.hashes[-1]]
 
-    def emit(self, r: Request, token: Optional[int]):
-        """Give r its next token (None: its logits were not finite) and decide whether r is done."""
+    def emit(self, r: Request, token: Optional[int], lp=None):
+        """Give r its next token (None: its logits were not finite) and its logprobs (lp, where asked), and decide
+        whether r is done."""
         if token is None:
             return self.finish(r, "error", "the model's logits became NaN or infinite: the weights or the dtype "
                                            "overflow; try the float32 dtype")
@@ -316,10 +350,12 @@ class Engine:
         if token in r.eos_ids:
             return self.finish(r, "stop")
         r.out.append(token)
+        if lp is not None:
+            r.logprobs.append(lp)
         self.stats["generated"] += 1
         keep = r.keep(r.out, 1) if r.keep is not None else len(r.out)
         if keep < len(r.out):
-            del r.out[keep:]
+            del r.out[keep:], r.logprobs[keep:]
             return self.finish(r, "stop")
         if r.matcher is not None and r.matcher.is_stopped():
             return self.finish(r, "stop")

@@ -31,6 +31,9 @@ class Completion:
     metrics: dict  # the figures generate.py --metrics_json writes: ttft_ms, decode_tokens_per_sec, ...
     finish_reason: str  # "stop" (EOS, a stop string, a complete grammar), "length", "incomplete" (see below) or
     error: Optional[str] = None  # "error": this prompt could not run (a list's other prompts still do)
+    logprobs: Optional[list] = None  # with logprobs=k: each new token's (log-probability, [(token, log-probability)]
+    # of the k likeliest]), the model's own distribution (before temperature, penalties or truncation)
+    prompt_logprobs: Optional[list] = None  # with prompt_logprobs=k: the same for each prompt token (None first)
 
 
 DRAFTED = ("auto", "draft", "tree", "staged")  # the methods that use a draft model
@@ -97,7 +100,6 @@ class LLM:
         a dict {"prompt": str, ...} whose other keys override the call's for that prompt (its own json_schema,
         say). Keywords as generate's, less speculation and the callback: one speculates alone. A prompt that
         cannot run (too long, a bad schema) gets finish_reason "error" and its error; the others run."""
-        from tqdm import tqdm
         require(isinstance(prompts, list) and prompts and all(
             isinstance(p, str) or isinstance(p, dict) and isinstance(p.get("prompt"), str) for p in prompts),
             "prompt must be a non-empty string or a non-empty list of strings or {'prompt': str, ...} dicts")
@@ -105,10 +107,15 @@ class LLM:
                 "many prompts run through the engine, which neither speculates nor calls back: give one prompt")
         known(options, PER_PROMPT, "generate_many")
         self.sampling({k: v for k, v in options.items() if k in Sampling.__dataclass_fields__})  # the call's own
-        requests, done = [self.request(p, options) for p in prompts], []
+        return self.run_engine([self.request(p, options) for p in prompts], progress)
+
+    def run_engine(self, requests: list, progress: bool = False) -> list[Completion]:
+        """The engine's requests run to their end (those that already failed stay as they are), as Completions."""
+        from tqdm import tqdm
         if self.engine is None:
             from engine import Engine
             self.engine = Engine(self.model, self.tokenizer)
+        done = []
         with tqdm(total=len(requests), disable=not progress, desc="requests") as bar:
             for r in requests:
                 if r.error is None:
@@ -120,7 +127,9 @@ class LLM:
                 bar.update(sum(r.finished for r in self.engine.step()))
         for r in requests:
             text = cli.new_text(self.tokenizer, r.prompt, r.out, r.sampling.stop) if r.prompt else ""
-            done.append(Completion(text, r.out, request_metrics(r), r.finish_reason, r.error))
+            lp, plp = r.sampling.logprobs is not None, r.sampling.prompt_logprobs is not None
+            done.append(Completion(text, r.out, request_metrics(r), r.finish_reason, r.error,
+                                   r.logprobs if lp else None, r.prompt_logprobs if plp else None))
         return done
 
     def request(self, prompt, shared: dict):
@@ -169,16 +178,26 @@ class LLM:
                  stop: Optional[list[str]] = None, ignore_eos: bool = False, speculate: Optional[str] = "auto",
                  speculate_k: int = 4, ngram: int = 3, max_nodes: int = 32, fixed_k: bool = False,
                  json: bool = False, json_schema=None, regex: Optional[str] = None, grammar: Optional[str] = None,
-                 callback: Optional[Callable[[str], None]] = None) -> list[Completion]:
-        """generate's work on token-id prompts."""
+                 callback: Optional[Callable[[str], None]] = None, **engine_only) -> list[Completion]:
+        """generate's work on token-id prompts. engine_only: min_p, the penalties, logit_bias, logprobs and
+        prompt_logprobs (sampling.Sampling), which the engine applies, one prompt as many."""
         for name, value, lo in (("speculate_k", speculate_k, 1), ("ngram", ngram, 1), ("max_nodes", max_nodes, 1)):
             require(whole(value) and value >= lo, f"{name} must be a whole number of at least {lo}, got {value!r}")
+        known(engine_only, ENGINE_ONLY, "generate")
         o = self.sampling(dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               seed=seed, stop=stop, ignore_eos=ignore_eos))
+                               seed=seed, stop=stop, ignore_eos=ignore_eos, **engine_only))
         temperature, top_k, top_p = o.temperature, o.top_k, o.top_p
         choose("speculate", speculate, (None, "plain") + speculative.SPECULATE)
         grammars = guided.grammars(json=json, json_schema=json_schema, regex=regex, grammar=grammar)
         require(len(grammars) <= 1, "give at most one of json, json_schema, regex and grammar")
+        if any(v is not None for v in engine_only.values()):
+            require(speculate in ("auto", "plain", None) and callback is None, f"{', '.join(engine_only)} run "
+                    "through the engine, which neither speculates nor calls back: drop speculate and callback")
+            from engine import Request
+            eos = () if ignore_eos else tuple(self.tokenizer.eos_ids)
+            done = self.run_engine([Request(p, o, eos, grammars[0] if grammars else None) for p in prompts])
+            require(all(c.error is None for c in done), next((c.error for c in done if c.error), ""))
+            return done
         if speculate == "plain" or speculate == "auto" and (grammars or len(prompts) > 1):
             speculate = None
         guide = guided.make_guide(self.tokenizer, grammars, len(prompts), self.model.args.vocab_size,
@@ -216,7 +235,9 @@ def request_metrics(r) -> dict:
             "decode_tokens_per_sec": rate, "total_s": end - t["arrived"] if end and "arrived" in t else None}
 
 
-COMPLETE = set(inspect.signature(LLM.complete).parameters) - {"self", "prompts"}  # generate's and chat's keywords
+ENGINE_ONLY = {"min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+               "prompt_logprobs"}
+COMPLETE = set(inspect.signature(LLM.complete).parameters) - {"self", "prompts", "engine_only"} | ENGINE_ONLY
 PER_PROMPT = set(Sampling.__dataclass_fields__) | {"json", "json_schema", "regex", "grammar", "chat", "system"}
 
 

@@ -11,7 +11,7 @@ import cli
 from sampling import OptionError, Sampling, with_defaults
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix", "echo")  # would change the answer's kind
+REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix")  # would change the answer's kind
 
 
 class ApiError(Exception):
@@ -42,41 +42,50 @@ def number(v) -> bool:
 
 # ---- a request's body -> the engine's Request --------------------------------------------------------------------
 
-def sampling(body: dict, model: dict) -> dict:
+def sampling(body: dict, model: dict, chat: bool) -> dict:
     """The OpenAI fields the engine honours, checked; fields that would change what kind of answer comes back, and
     that it cannot give, are refused; the others are ignored, as the OpenAI API ignores fields it does not know.
     temperature, top_p and top_k not sent are the model's defaults (model: its generation_config.json's), else
-    the API's (API_DEFAULTS)."""
-    for name in REFUSED:
+    the API's (API_DEFAULTS). Log-probabilities (chat: logprobs true and top_logprobs N; completions: logprobs N,
+    with echo for the prompt's too) are the model's own, before temperature, penalties or truncation."""
+    for name in REFUSED + (("echo",) if chat else ()):
         need(body.get(name) in (None, False, [], ""), f"'{name}' is not supported by this server", name)
-    need(body.get("logprobs") in (None, False, 0) and body.get("top_logprobs") in (None, 0),
-         "logprobs are not supported by this server", "logprobs")
     need(body.get("best_of") in (None, 1), "best_of must be 1 on this server", "best_of")
-    need(not body.get("logit_bias"), "logit_bias is not supported by this server", "logit_bias")
-    for name in ("presence_penalty", "frequency_penalty"):
-        need(body.get(name) in (None, 0, 0.0), f"'{name}' is not supported by this server (0 only)", name)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     given = with_defaults(body, model, API_DEFAULTS)
     temperature = given["temperature"]
     need(not number(temperature) or temperature <= 2, "temperature must be a number from 0 to 2", "temperature")
-    seed, stop = body.get("seed"), body.get("stop")
+    seed, stop, echo = body.get("seed"), body.get("stop"), body.get("echo", False)
     stop = [stop] if isinstance(stop, str) else stop
     need(not isinstance(stop, list) or len(stop) <= 16, "stop must be a string or a list of at most 16", "stop")
+    for name in ("stream", "ignore_eos", "echo") + (("logprobs",) if chat else ()):
+        need(body.get(name) in (None, True, False), f"{name} must be true or false", name)
+    need(limit != 0 or echo, "max_tokens 0 needs echo: it scores the prompt only", "max_tokens")
+    if chat:
+        top = body.get("top_logprobs")
+        need(top is None or body.get("logprobs"), "top_logprobs needs logprobs true", "top_logprobs")
+        logprobs = (top or 0) if body.get("logprobs") else None
+    else:
+        logprobs = body.get("logprobs")
+    extra = {k: body[k] for k in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+             if body.get(k) is not None}
     try:  # the checks every entry point makes (sampling.py); the API's own bounds above
-        o = Sampling(1 if limit is None else limit, temperature, given["top_k"], given["top_p"],
-                     seed % 2**64 if whole(seed) else seed, stop)
+        o = Sampling(1 if limit is None or limit == 0 and whole(limit) else limit, temperature, given["top_k"],
+                     given["top_p"], seed % 2**64 if whole(seed) else seed, stop,
+                     logit_bias=body.get("logit_bias") or None, logprobs=logprobs,
+                     prompt_logprobs=logprobs if echo else None, **extra)
     except OptionError as e:
-        raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"),
-                       "max_tokens" if e.param == "max_new_tokens" else e.param) from None
+        field = {"max_new_tokens": "max_tokens", "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.param,
+                                                                                                      e.param)
+        raise ApiError(400, str(e).replace(e.param, field), field) from None
     n = 1 if body.get("n") is None else body["n"]
     need(whole(n) and 1 <= n <= 16, "n must be a whole number from 1 to 16", "n")
-    for name in ("stream", "ignore_eos"):
-        need(body.get(name) in (None, True, False), f"{name} must be true or false", name)
     options = body.get("stream_options")
     need(options is None or isinstance(options, dict) and options.get("include_usage") in (None, True, False),
          "stream_options must be an object whose include_usage is true or false", "stream_options")
     return dict(sampling=o, limit=limit, n=n, ignore_eos=bool(body.get("ignore_eos")), stream=bool(body.get(
-        "stream")), usage=bool((options or {}).get("include_usage")), grammar=grammar(body.get("response_format")))
+        "stream")), usage=bool((options or {}).get("include_usage")), grammar=grammar(body.get("response_format")),
+        echo=bool(echo))
 
 
 def grammar(fmt):
@@ -131,15 +140,20 @@ def chat_tokens(tokenizer, messages) -> list[int]:
 
 
 class Answer:
-    """The reply to one HTTP request: its n engine requests' text as it grows, whole or as server-sent events."""
+    """The reply to one HTTP request: its n engine requests' text as it grows, whole or as server-sent events, with
+    their log-probabilities where asked. echo: each completion starts with its prompt (and the prompt's
+    log-probabilities, where asked); scoring (max_tokens 0): the prompt alone, the token drawn after it not shown."""
 
-    def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop, n: int = 1):
+    def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop, n: int = 1, echo: bool = False,
+                 scoring: bool = False):
         self.tokenizer, self.requests, self.chat, self.model, self.stop = tokenizer, requests, chat, model, stop
+        self.echo, self.scoring = echo, scoring
         self.prompts = requests[::n]  # one request of each prompt: the usage counts each prompt once
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created, self.sent = int(time.time()), [""] * len(requests)
         self.shown = [[max(len(r.prompt) - 6, 0), len(r.prompt), ""] for r in requests]  # see grown
         self.hold = max(map(len, stop or [""]), default=1) - 1  # a stop string's start may be in the latest text
+        self.noted = [[0, 0] for _ in requests]  # streamed: tokens whose logprobs went, and their text's length
 
     def text(self, r, n: int) -> str:
         return cli.new_text(self.tokenizer, r.prompt, r.out[:n], self.stop)
@@ -156,7 +170,7 @@ class Answer:
         return self.shown[i][2]
 
     def usage(self) -> dict:
-        done = sum(len(r.out) for r in self.requests)
+        done = 0 if self.scoring else sum(len(r.out) for r in self.requests)
         prompt = sum(len(r.prompt) for r in self.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
                 "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in self.prompts)}}
@@ -164,7 +178,35 @@ class Answer:
     def reason(self, r) -> str:
         if r.finish_reason == "error":
             raise ApiError(500, f"generation failed: {r.error}", kind="server_error")
-        return "stop" if r.finish_reason == "stop" else "length"
+        return "stop" if r.finish_reason == "stop" and not self.scoring else "length"
+
+    def items(self, tokens: list[int], lps: list, before) -> list[tuple]:
+        """(text, log-probability, [(text, log-probability)] of the alternatives) for each token (lps[i]: its
+        (log-probability, alternatives), or None for the prompt's first): a token's text as it reads after the one
+        before it (before: the token ahead of tokens[0], or None), so that a word keeps its leading space."""
+        out, decode = [], lambda ids: self.tokenizer.decode(ids, specials=False)  # noqa: E731
+        for t, lp in zip(tokens, lps):
+            head = [] if before is None else [before]
+            skip = len(decode(head))
+            text = lambda x: decode(head + [x])[skip:]  # noqa: E731
+            out.append((text(t), None, None) if lp is None else
+                       (text(t), max(lp[0], -9999.0), [(text(a), max(v, -9999.0)) for a, v in lp[1]]))
+            before = t
+        return out
+
+    def logprobs(self, items: list[tuple], offset: int = 0):
+        """items in the API's layout: chat's content list, or completions' tokens, token_logprobs, top_logprobs and
+        text_offset (each token's place in the choice's text, from offset)."""
+        if self.chat:
+            entry = lambda text, v: {"token": text, "logprob": v, "bytes": list(text.encode())}  # noqa: E731
+            return {"content": [{**entry(t, v), "top_logprobs": [entry(a, w) for a, w in top]} for t, v, top in items],
+                    "refusal": None}
+        offsets = [offset + sum(len(t) for t, *_ in items[:k]) for k in range(len(items))]
+        return {"tokens": [t for t, *_ in items], "token_logprobs": [v for _, v, _ in items],
+                "top_logprobs": [None if top is None else dict(top) for *_, top in items], "text_offset": offsets}
+
+    def prompt_items(self, r) -> list[tuple]:  # the echoed prompt's items (log-probabilities where scored)
+        return self.items(r.prompt, r.prompt_logprobs or [None] * len(r.prompt), None)
 
     async def whole(self, sink: asyncio.Queue, service, request) -> dict:
         """Wait for every choice to finish (cancelling them if the client goes away meanwhile)."""
@@ -187,18 +229,25 @@ class Answer:
                 service.cancel(list(left))
         choices = []
         for i, r in enumerate(self.requests):
-            text = self.text(r, len(r.out))
-            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": i, **content, "finish_reason": self.reason(r), "logprobs": None})
+            n = 0 if self.scoring else len(r.out)
+            text, logprobs, head = self.text(r, n), None, ""
+            if self.echo:
+                head = self.tokenizer.decode(r.prompt, specials=False)
+            if r.sampling.logprobs is not None:
+                before = r.prompt[-1]
+                logprobs = self.logprobs((self.prompt_items(r) if self.echo else []) +
+                                         self.items(r.out[:n], r.logprobs[:n], before))
+            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": head + text}
+            choices.append({"index": i, **content, "finish_reason": self.reason(r), "logprobs": logprobs})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
 
-    def chunk(self, i: int, text, finish=None) -> str:
+    def chunk(self, i: int, text, finish=None, logprobs=None) -> str:
         if self.chat:
             delta = {} if text is None else {"content": text} if i >= 0 else {"role": "assistant", "content": ""}
-            choice = {"index": max(i, 0), "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": max(i, 0), "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
-            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
         return self.event({"choices": [choice]})
 
     def event(self, payload: dict) -> str:
@@ -206,29 +255,48 @@ class Answer:
                    "created": self.created, "model": self.model, **payload}
         return f"data: {json.dumps(payload)}\n\n"
 
+    def streamed_logprobs(self, i: int, r, n: int, finished: bool):
+        """Choice i's logprobs not yet sent, of its first n tokens whose text is within what was sent (finished: all
+        that stay), or None where not asked."""
+        if r.sampling.logprobs is None:
+            return None
+        a, chars = self.noted[i]
+        b = len(r.logprobs) if finished else min(n, len(r.logprobs))
+        items = self.items(r.out[a:b], r.logprobs[a:b], r.out[a - 1] if a else r.prompt[-1])
+        while not finished and items and chars + sum(len(t) for t, *_ in items) > len(self.sent[i]):
+            items.pop()  # (its text is held back yet)
+        self.noted[i] = [a + len(items), chars + sum(len(t) for t, *_ in items)]
+        return self.logprobs(items, chars + (len(self.tokenizer.decode(r.prompt, specials=False)) if self.echo else 0))
+
     async def stream(self, sink: asyncio.Queue, service, usage: bool):
         """Server-sent events: each choice's new text as it comes, held back while it may be the start of a stop
-        string or of a character not yet whole; its finish; the usage if asked; [DONE]. Cancelled if the client
-        goes away (the response's task is cancelled: the finally clause runs)."""
-        left, index = set(self.requests), {r: i for i, r in enumerate(self.requests)}
+        string or of a character not yet whole (echo: after its prompt); its finish; the usage if asked; [DONE].
+        Cancelled if the client goes away (the response's task is cancelled: the finally clause runs)."""
+        left, index, echoed = set(self.requests), {r: i for i, r in enumerate(self.requests)}, set()
         try:
             if self.chat:
                 for i in range(len(self.requests)):
                     yield self.chunk(-1 - i, "")
             while left:
                 r, n, finished = await sink.get()
-                i = index[r]
+                i, n = index[r], 0 if self.scoring else n
+                if self.echo and r not in echoed:
+                    echoed.add(r)
+                    lp = None if r.sampling.logprobs is None else self.logprobs(self.prompt_items(r))
+                    yield self.chunk(i, self.tokenizer.decode(r.prompt, specials=False), None, lp)
                 text = self.text(r, n) if finished else cli.cut_text(self.grown(i, r, n), self.stop)
                 ready = text if finished else text[: max(len(self.sent[i]), len(text) - self.hold)]
                 if not finished and ready.endswith("\ufffd"):
                     ready = ready[:-1]
                 if len(ready) > len(self.sent[i]) and ready.startswith(self.sent[i]):
-                    yield self.chunk(i, ready[len(self.sent[i]):])
-                    self.sent[i] = ready
+                    new, self.sent[i] = ready[len(self.sent[i]):], ready
+                    yield self.chunk(i, new, None, self.streamed_logprobs(i, r, n, finished))
                 if finished:
                     left.discard(r)
                     try:
-                        yield self.chunk(i, None, self.reason(r))
+                        lp = self.streamed_logprobs(i, r, n, True) if not self.scoring else None
+                        yield self.chunk(i, None, self.reason(r), lp if lp and (lp.get("content") or
+                                                                              lp.get("tokens")) else None)
                     except ApiError as e:
                         yield f"data: {json.dumps(e.body())}\n\n"
             if usage:

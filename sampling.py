@@ -2,7 +2,8 @@
 the one check of the options that steer it.
 
 A request's randomness is a stream of uniforms drawn up front from its seed, one per new token: token t is where
-u_t falls in the running sum of the filtered distribution (temperature, then top_k, then top_p). A token therefore
+u_t falls in the running sum of the filtered distribution (a request's logit_bias and penalties on the logits, then
+temperature, min_p, top_k and top_p). A token therefore
 depends on its logits and its place in the answer only, never on what shares its batch or on how many tokens a pass
 verifies. Speculation keeps a guess exactly when it is the token plain decoding would draw there with the same
 u_t, so a seeded request writes the same tokens through every entry point, batched or speculative."""
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 NOT_FINITE = -1  # the token of a row whose logits hold a NaN or an infinity: the loops stop on it
+MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs bound)
 
 
 FALLBACK = {"temperature": 0.8, "top_k": 200, "top_p": 1.0}  # where neither the request nor the model says
@@ -35,7 +37,13 @@ def with_defaults(given: dict, model: dict, fallback: dict = FALLBACK) -> dict:
 class Sampling:
     """How to continue a prompt, checked once here for the command lines, the Python API, the engine and the server.
     temperature 0 is greedy; top_k None (or 0) and top_p 1.0 cut nothing; seed None draws from torch's global
-    generator; stop: strings that end the answer; ignore_eos: go on past the end-of-sequence tokens."""
+    generator; stop: strings that end the answer; ignore_eos: go on past the end-of-sequence tokens. min_p: drop
+    the tokens less likely than min_p times the likeliest (after temperature). logit_bias: {token: bias} added to
+    the logits; presence_penalty and frequency_penalty: subtracted from the logits of the tokens the answer holds,
+    once and once per time (as OpenAI's); repetition_penalty: the logits of the tokens in prompt or answer divided
+    by it where positive, multiplied where negative (CTRL's, as transformers'), in that order (see adjusted).
+    logprobs: give each new token's log-probability and its logprobs likeliest alternatives, prompt_logprobs the
+    same for every prompt token after the first, from the model's own distribution (before any of the above)."""
     max_new_tokens: int = 200
     temperature: float = 0.8
     top_k: Optional[int] = 200
@@ -43,6 +51,13 @@ class Sampling:
     seed: Optional[int] = None
     stop: Optional[tuple] = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    logit_bias: Optional[tuple] = None  # ((token, bias), ...) from a dict
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         whole = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
@@ -61,10 +76,34 @@ class Sampling:
               "stop must be a list of non-empty strings")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", f"ignore_eos must be true or false, got "
               f"{self.ignore_eos!r}")
+        check(number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(number(value) and -2 <= value <= 2, name, f"{name} must be a number from -2 to 2, got {value!r}")
+        check(number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              f"repetition_penalty must be a number > 0 (1: none), got {self.repetition_penalty!r}")
+        bias = self.logit_bias
+        bias = tuple((int(t) if isinstance(t, str) and t.strip().isdigit() else t, b) for t, b in bias.items()) \
+            if isinstance(bias, dict) else bias  # (JSON's keys are strings)
+        check(bias is None or isinstance(bias, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and whole(p[0]) and p[0] >= 0 and number(p[1]) and
+            -100 <= p[1] <= 100 for p in bias), "logit_bias",
+            "logit_bias must map token ids to biases from -100 to 100")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or whole(value) and 0 <= value <= MAX_LOGPROBS, name,
+                  f"{name} must be a whole number from 0 to {MAX_LOGPROBS}, got {value!r}")
         object.__setattr__(self, "top_k", self.top_k or None)
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop", tuple(stop) if stop else None)
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias) if bias else None)
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def adjusts(self) -> bool:  # whether its logits change before the draw (see adjusted)
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -89,13 +128,15 @@ def check(ok: bool, param: str, message: str):
         raise OptionError(param, message)
 
 
-def pick(logits: Tensor, rows: list, u: list[float], allowed: Optional[Tensor] = None) -> list[int]:
+def pick(logits: Tensor, rows: list, u: list[float], allowed: Optional[Tensor] = None,
+         seen: Optional[list] = None) -> list[int]:
     """Each row's next token (logits [N, V]) under its options (rows[i]: a Sampling) and its uniform u[i]: the
     argmax at temperature 0, else a draw (see draw); NOT_FINITE where the row's logits are not all finite. allowed
     [N, V] bool (a grammar's): the other tokens get -inf first, so the draw is from the model's distribution
-    renormalized over the allowed ones. Temperatures, probabilities and top-k candidates take one op each for all
-    rows."""
+    renormalized over the allowed ones. seen[i]: row i's (prompt, answer so far) token lists, where its options
+    adjust the logits. Temperatures, probabilities and top-k candidates take one op each for all rows."""
     finite = torch.isfinite(logits.sum(-1)).tolist()  # a sum is NaN or inf if any term is; before the mask's -inf
+    logits = adjusted(logits, rows, seen)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, -float("inf"))
     tokens = [t if ok else NOT_FINITE for t, ok in zip(logits.argmax(-1).tolist(), finite)]
@@ -103,6 +144,8 @@ def pick(logits: Tensor, rows: list, u: list[float], allowed: Optional[Tensor] =
     if not hot:
         return tokens
     x = logits[hot].float() / torch.tensor([rows[i].temperature for i in hot], device=logits.device)[:, None]
+    for n in [n for n, i in enumerate(hot) if rows[i].min_p]:  # p < min_p * p_max, as logits
+        x[n] = x[n].masked_fill(x[n] < x[n].max() + math.log(rows[hot[n]].min_p), -float("inf"))
     cut = [n for n, i in enumerate(hot) if rows[i].top_k]
     top = x[cut].topk(min(max(rows[hot[n]].top_k for n in cut), x.size(-1))) if cut else None  # [n, K], best first
     p = x.softmax(-1) if len(cut) < len(hot) else None  # [N, V]
@@ -118,6 +161,38 @@ def pick(logits: Tensor, rows: list, u: list[float], allowed: Optional[Tensor] =
         else:
             tokens[i] = draw(p[n], 1.0, u[i])
     return tokens
+
+
+def adjusted(logits: Tensor, rows: list, seen: Optional[list]) -> Tensor:  # logits [N, V] -> [N, V]
+    """The logits with each row's logit_bias added, then its penalties applied: repetition_penalty to the tokens of
+    prompt and answer, presence_penalty and frequency_penalty to those of the answer (seen[i]: row i's (prompt,
+    answer) token lists). Rows that adjust nothing are as they were, and without any such row logits is returned."""
+    at = [i for i, r in enumerate(rows) if r.adjusts]
+    if not at:
+        return logits
+    logits, device = logits.float().clone(), logits.device
+    for i in at:
+        r, x, (prompt, out) = rows[i], logits[i], seen[i]
+        if r.logit_bias:
+            ids, bias = zip(*r.logit_bias)
+            x[list(ids)] += torch.tensor(bias, device=device)
+        if r.repetition_penalty != 1:
+            ids = torch.tensor(sorted(set(prompt) | set(out)), device=device)
+            v = x[ids]
+            x[ids] = torch.where(v > 0, v / r.repetition_penalty, v * r.repetition_penalty)
+        if out and (r.presence_penalty or r.frequency_penalty):
+            ids, counts = torch.tensor(out, device=device).unique(return_counts=True)
+            x[ids] -= r.frequency_penalty * counts.float() + r.presence_penalty
+    return logits
+
+
+def logprobs(logits: Tensor, tokens: list[int], k: int) -> list[tuple]:
+    """Each row's (log-probability of tokens[i], its k likeliest tokens as [(token, log-probability)], best first)
+    under logits [N, V]: the model's own distribution, before any option shapes it."""
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor([max(t, 0) for t in tokens], device=lp.device)[:, None])[:, 0].tolist()
+    top = lp.topk(k) if k else None
+    return [(c, list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []) for i, c in enumerate(chosen)]
 
 
 def ranked(p: Tensor, top_p: float) -> tuple[Tensor, Tensor]:  # p [V] -> probabilities and tokens, best first

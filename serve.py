@@ -205,17 +205,18 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
                            code="context_length_exceeded")
         eos = () if o["ignore_eos"] else tuple(tokenizer.eos_ids)
         seeds = [None if s.seed is None else (s.seed + i) % 2**64 for i in range(o["n"])]  # choice i: seed + i
-        rs = [Request(tokens, replace(s, max_new_tokens=limit, seed=seed), eos, o["grammar"]) for seed in seeds]
+        rs = [Request(tokens, replace(s, max_new_tokens=max(limit, 1), seed=seed), eos, o["grammar"])
+              for seed in seeds]  # (max_tokens 0, scoring the prompt: its one token is not shown)
         try:
             for r in rs:
                 await run_in_threadpool(service.check, r)
         except ValueError as e:
-            raise ApiError(413 if "pool" in str(e) else 400, str(e))
+            raise ApiError(413 if "pool" in str(e) else 400, str(e), "logit_bias" if "logit_bias" in str(e) else None)
         return rs
 
     async def complete(request, chat: bool):
         body = await body_of(request)
-        o = sampling(body, tokenizer.sampling_defaults)
+        o = sampling(body, tokenizer.sampling_defaults, chat)
         if chat:
             prompts = [chat_tokens(tokenizer, body.get("messages"))]
         else:
@@ -225,7 +226,7 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         rs = [r for tokens in prompts for r in await requests_for(tokens, o, "messages" if chat else "prompt")]
         loop, sink = asyncio.get_running_loop(), asyncio.Queue()
         service.submit(rs, loop, sink)
-        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop, o["n"])  # choice i * n + j: prompt i's j-th
+        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop, o["n"], o["echo"], o["limit"] == 0)
         if o["stream"]:
             return StreamingResponse(answer.stream(sink, service, o["usage"]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -253,6 +254,11 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
                  "add_special_tokens")
             tokens = tokenizer.encode(body["prompt"], bos=body.get("add_special_tokens", True))
         return JSONResponse({"count": len(tokens), "max_model_len": context, "tokens": tokens})
+
+    async def tokenizer_info(request):  # vLLM's: what a client needs to tokenize as the server does
+        return JSONResponse({"model_max_length": context, "vocab_size": vocab,
+                             "chat_template": tokenizer.chat_template, **{k: tokenizer.special_tokens.get(k) for k in (
+                                 "bos_token", "eos_token", "pad_token", "unk_token")}})
 
     async def detokenize(request):
         tokens = (await body_of(request)).get("tokens")
@@ -302,7 +308,8 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", prometheus, methods=["GET"]), Route("/tokenize", tokenize, methods=["POST"]),
-              Route("/detokenize", detokenize, methods=["POST"])]
+              Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/tokenizer_info", tokenizer_info, methods=["GET"])]
     app = Starlette(routes=routes, middleware=[Middleware(KeyCheck)], lifespan=lifespan,
                     exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: crash})
     app.state.service = service

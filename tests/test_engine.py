@@ -292,3 +292,11 @@ def test_batch_py_fails_in_one_line_when_every_request_is_refused_but_still_writ
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: every request was refused")
     assert [a["finish_reason"] for a in answers] == ["error", "error"]
+
+
+def test_batch_py_takes_penalties_and_writes_logprobs(tmp_path):
+    lines = '{"prompt": "def f(x):"}\n{"prompt": "def f(x):", "frequency_penalty": 2.0, "logit_bias": {"3": -100}}\n'
+    result, answers = batch_py(tmp_path, lines, "--temperature", 0, "--max_new_tokens", 6, "--logprobs", 1)
+    assert result.returncode == 0, result.stderr
+    assert answers[0]["text"] != answers[1]["text"] and not answers[1]["text"].startswith("\n")  # token 3: "\n"
+    assert all(len(a["logprobs"]) == 6 and len(a["logprobs"][0][1]) == 1 for a in answers)

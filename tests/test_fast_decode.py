@@ -207,3 +207,24 @@ def test_sampling_not_given_is_the_models_generation_config_alone_and_in_a_batch
     assert llm.generate(PROMPT, max_new_tokens=16, seed=3, speculate="plain").tokens == greedy
     assert llm.generate_many([PROMPT], max_new_tokens=16, seed=3, progress=False)[0].tokens == greedy
     assert llm.generate(PROMPT, max_new_tokens=16, temperature=0.8, seed=3, speculate="plain").tokens != greedy
+
+
+def test_logprobs_and_penalties_run_through_the_engine_one_prompt_as_many(llm, plain):
+    scored = llm.generate(PROMPT, max_new_tokens=24, temperature=0, logprobs=2, prompt_logprobs=0)
+    assert scored.tokens == plain.tokens and len(scored.logprobs) == 24 and scored.prompt_logprobs[0] is None
+    assert all(top[0] == (t, lp) for t, (lp, top) in zip(scored.tokens, scored.logprobs))  # greedy: the likeliest
+    ids = llm.tokenizer.encode(PROMPT, bos=True)
+    with torch.inference_mode():
+        full = llm.model(torch.tensor([ids])).float().log_softmax(-1)[0]
+    assert abs(scored.prompt_logprobs[1][0] - full[0, ids[1]].item()) < 1e-4
+    penalized = llm.generate(PROMPT, max_new_tokens=24, temperature=0, frequency_penalty=1.5)
+    assert penalized.tokens != plain.tokens and penalized.logprobs is None
+    many = llm.generate([PROMPT, "import os"], max_new_tokens=24, temperature=0, frequency_penalty=1.5, progress=False)
+    assert many[0].tokens == penalized.tokens
+
+
+def test_options_only_the_engine_applies_refuse_speculation_and_callbacks(llm):
+    with pytest.raises(ValueError, match="neither speculates nor calls back"):
+        llm.generate(PROMPT, logprobs=1, speculate="draft")
+    with pytest.raises(ValueError, match="neither speculates nor calls back"):
+        llm.generate(PROMPT, presence_penalty=1.0, callback=print)

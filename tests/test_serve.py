@@ -182,7 +182,7 @@ BAD = [  # (what, body as JSON text or an object, status)
     ("negative top_k", {"prompt": "x", "top_k": -1}, 400),
     ("stop a number", {"prompt": "x", "stop": 3}, 400),
     ("n too many", {"prompt": "x", "n": 1000}, 400),
-    ("logprobs", {"prompt": "x", "logprobs": 2}, 400),
+    ("logprobs past 20", {"prompt": "x", "logprobs": 21}, 400),
     ("tools", {"prompt": "x", "tools": [{"type": "function"}]}, 400),
     ("an unknown response_format", {"prompt": "x", "response_format": {"type": "xml"}}, 400),
     ("a schema that is no schema", {"prompt": "x", "response_format": {"type": "json_schema",
