@@ -18,6 +18,7 @@ import cli
 import generate as gen
 import guided
 import speculative
+import tool_calls
 from backend import Backend
 from checkpoint import checkpoint_files, load_model, load_tokenizer, plan
 from choose import auto as auto_chooser
@@ -34,6 +35,7 @@ class Completion:
     logprobs: Optional[list] = None  # with logprobs=k: each new token's (log-probability, [(token, log-probability)]
     # of the k likeliest]), the model's own distribution (before temperature, penalties or truncation)
     prompt_logprobs: Optional[list] = None  # with prompt_logprobs=k: the same for each prompt token (None first)
+    tool_calls: Optional[list] = None  # chat with tools: the calls made, in the OpenAI API's shape (see tool_calls.py)
 
 
 DRAFTED = ("auto", "draft", "tree", "staged")  # the methods that use a draft model
@@ -158,16 +160,33 @@ class LLM:
         are the model's own defaults (its generation_config.json), else 0.8, 200 and 1.0."""
         return Sampling(**{**options, **with_defaults(options, self.tokenizer.sampling_defaults)})
 
-    def chat(self, messages: list[dict], **options) -> Completion:
+    def chat(self, messages: list[dict], *, tools: Optional[list] = None, tool_choice="auto",
+             parallel_tool_calls: bool = True, **options) -> Completion:
         """The assistant's reply to messages ([{"role": "user", "content": "..."}, ...]) through the model's chat
-        template; keywords as generate's."""
+        template; keywords as generate's. tools (the OpenAI API's), tool_choice ("auto", "none", "required" or
+        {"type": "function", "function": {"name": ...}}): the template renders them and the reply is held to
+        calls in the model's format (tool_calls.py), returned as tool_calls with finish_reason "tool_calls"."""
         require(isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages), "messages must be a non-empty list of {'role': str, 'content': str} dicts")
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or
+                                                                        m.get("tool_calls")) for m in messages),
+                "messages must be a non-empty list of {'role': str, 'content': str} dicts")
         self.check_template()
-        known(options, COMPLETE, "chat")
-        text = self.tokenizer.apply_chat_template(messages)
-        return self.complete([self.tokenizer.encode(text, bos=False, specials=True)], **options)[0]
+        known(options, COMPLETE - {"grammar", "json", "json_schema", "regex"} if tools else COMPLETE, "chat")
+        must = None
+        if tools is not None:
+            require(tool_calls.supported(self.tokenizer.chat_template), "this model's chat template does not render "
+                    f"tools with the {tool_calls.OPEN} format: it cannot call tools")
+            funcs = tool_calls.functions(tools)
+            must = tool_calls.chosen(tool_choice, [f["name"] for f in funcs])
+            if must != []:
+                options["grammar"] = tool_calls.grammar(funcs, must, parallel_tool_calls)
+        text = self.tokenizer.apply_chat_template(tool_calls.for_template(messages), tools=tools)
+        done = self.complete([self.tokenizer.encode(text, bos=False, specials=True)], **options)[0]
+        if tools is not None and must != []:
+            content, done.tool_calls = tool_calls.parse(done.text)
+            if done.tool_calls:
+                done.text, done.finish_reason = content or "", "tool_calls"
+        return done
 
     def check_template(self):
         require(self.tokenizer.chat_template is not None, "this model has no chat template (no chat_template.jinja "

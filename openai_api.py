@@ -8,10 +8,11 @@ import time
 import uuid
 
 import cli
+import tool_calls
 from sampling import OptionError, Sampling, with_defaults
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-REFUSED = ("tools", "tool_choice", "functions", "function_call", "suffix")  # would change the answer's kind
+REFUSED = ("functions", "function_call", "suffix")  # would change the answer's kind
 
 
 class ApiError(Exception):
@@ -117,26 +118,66 @@ def prompt_tokens(tokenizer, prompt, vocab: int) -> list[list[int]]:
     return [tokenizer.encode(p, bos=True) if isinstance(p, str) else p for p in (prompt if many else [prompt])]
 
 
-def chat_tokens(tokenizer, messages) -> list[int]:
-    """/v1/chat/completions' messages through the model's chat template."""
+def chat_tokens(tokenizer, messages, tools=None) -> list[int]:
+    """/v1/chat/completions' messages through the model's chat template (tools: the API's, which it renders)."""
     need(tokenizer.chat_template is not None, "this model has no chat template: use /v1/completions", "messages")
     need(isinstance(messages, list) and messages, "messages must be a non-empty list", "messages")
     turns = []
     for i, m in enumerate(messages):
-        need(isinstance(m, dict) and m.get("role") in ("system", "developer", "user", "assistant"),
-             f"messages[{i}] must be an object whose role is system, developer, user or assistant", "messages")
-        content = m.get("content")
+        need(isinstance(m, dict) and m.get("role") in ROLES, f"messages[{i}] must be an object whose role is "
+             f"{', '.join(ROLES)}", "messages")
+        content, calls = m.get("content"), m.get("tool_calls") if m["role"] == "assistant" else None
         if isinstance(content, list):  # parts: text only
             need(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                      for p in content), f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        need(isinstance(content, str), f"messages[{i}].content must be a string or a list of text parts", "messages")
-        turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-    return tokenizer.encode(tokenizer.apply_chat_template(turns), bos=False, specials=True)
+        need(isinstance(content, str) or content is None and calls, f"messages[{i}].content must be a string or a "
+             f"list of text parts", "messages")
+        turn = {"role": "system" if m["role"] == "developer" else m["role"], "content": content or ""}
+        if calls:
+            need(isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) and
+                                                 isinstance(c["function"].get("name"), str) for c in calls),
+                 f"messages[{i}].tool_calls must be a list of {{'id', 'type', 'function': {{'name', 'arguments'}}}}",
+                 "messages")
+            turn["tool_calls"] = calls
+        if m["role"] == "tool":
+            turn.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        turns.append(turn)
+    try:
+        turns = tool_calls.for_template(turns)
+    except ValueError:
+        raise ApiError(400, "a tool call's arguments must be JSON text", "messages") from None
+    return tokenizer.encode(tokenizer.apply_chat_template(turns, tools=tools), bos=False, specials=True)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def tool_options(body: dict, tokenizer, chat: bool):
+    """tools, tool_choice and parallel_tool_calls, checked: None without tools, else the tools as the template
+    renders them, the grammar the answer follows (None for tool_choice "none") and whether it is read for calls."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        need(choice in (None, "none", "auto"), "tool_choice needs tools", "tool_choice")
+        return None
+    need(chat, "'tools' is not supported on /v1/completions: use /v1/chat/completions", "tools")
+    need(tool_calls.supported(tokenizer.chat_template), "this model's chat template does not render tools with "
+         f"the {tool_calls.OPEN} format this server reads: it cannot call tools", "tools")
+    need(body.get("response_format") in (None, {"type": "text"}), "response_format and tools cannot be combined",
+         "response_format")
+    parallel = body.get("parallel_tool_calls", True)
+    need(parallel in (True, False), "parallel_tool_calls must be true or false", "parallel_tool_calls")
+    try:
+        funcs = tool_calls.functions(tools)
+        must = tool_calls.chosen(choice, [f["name"] for f in funcs])
+    except OptionError as e:
+        raise ApiError(400, str(e), e.param) from None
+    import guided
+    try:
+        text = tool_calls.grammar(funcs, must, parallel) if must != [] else None
+        return {"tools": tools, "grammar": text and guided.lark_text(text, "tools"), "read": must != []}
+    except ValueError as e:
+        raise ApiError(400, f"tools: a schema cannot be used: {str(e)[:300]}", "tools") from None
 
 
 class Answer:
@@ -145,9 +186,9 @@ class Answer:
     log-probabilities, where asked); scoring (max_tokens 0): the prompt alone, the token drawn after it not shown."""
 
     def __init__(self, tokenizer, requests: list, chat: bool, model: str, stop, n: int = 1, echo: bool = False,
-                 scoring: bool = False):
+                 scoring: bool = False, tools: bool = False):
         self.tokenizer, self.requests, self.chat, self.model, self.stop = tokenizer, requests, chat, model, stop
-        self.echo, self.scoring = echo, scoring
+        self.echo, self.scoring, self.tools = echo, scoring, tools  # tools: the answers are read for tool calls
         self.prompts = requests[::n]  # one request of each prompt: the usage counts each prompt once
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created, self.sent = int(time.time()), [""] * len(requests)
@@ -175,10 +216,10 @@ class Answer:
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
                 "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in self.prompts)}}
 
-    def reason(self, r) -> str:
+    def reason(self, r, calls: list = ()) -> str:
         if r.finish_reason == "error":
             raise ApiError(500, f"generation failed: {r.error}", kind="server_error")
-        return "stop" if r.finish_reason == "stop" and not self.scoring else "length"
+        return "tool_calls" if calls else "stop" if r.finish_reason == "stop" and not self.scoring else "length"
 
     def items(self, tokens: list[int], lps: list, before) -> list[tuple]:
         """(text, log-probability, [(text, log-probability)] of the alternatives) for each token (lps[i]: its
@@ -237,8 +278,10 @@ class Answer:
                 before = r.prompt[-1]
                 logprobs = self.logprobs((self.prompt_items(r) if self.echo else []) +
                                          self.items(r.out[:n], r.logprobs[:n], before))
-            content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": head + text}
-            choices.append({"index": i, **content, "finish_reason": self.reason(r), "logprobs": logprobs})
+            content, calls = tool_calls.parse(text) if self.tools else (text, [])
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            content = {"message": message} if self.chat else {"text": head + text}
+            choices.append({"index": i, **content, "finish_reason": self.reason(r, calls), "logprobs": logprobs})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
 
@@ -288,15 +331,21 @@ class Answer:
                 ready = text if finished else text[: max(len(self.sent[i]), len(text) - self.hold)]
                 if not finished and ready.endswith("\ufffd"):
                     ready = ready[:-1]
-                if len(ready) > len(self.sent[i]) and ready.startswith(self.sent[i]):
+                calls = tool_calls.parse(text)[1] if finished and self.tools else []
+                if calls:
+                    yield self.event({"choices": [{"index": i, "delta": {"tool_calls": [
+                        {"index": k, **c} for k, c in enumerate(calls)]}, "finish_reason": None, "logprobs": None}]})
+                elif self.tools and not finished and maybe_call(ready):
+                    pass  # (held: it may be a tool call, sent whole once done)
+                elif len(ready) > len(self.sent[i]) and ready.startswith(self.sent[i]):
                     new, self.sent[i] = ready[len(self.sent[i]):], ready
                     yield self.chunk(i, new, None, self.streamed_logprobs(i, r, n, finished))
                 if finished:
                     left.discard(r)
                     try:
                         lp = self.streamed_logprobs(i, r, n, True) if not self.scoring else None
-                        yield self.chunk(i, None, self.reason(r), lp if lp and (lp.get("content") or
-                                                                              lp.get("tokens")) else None)
+                        yield self.chunk(i, None, self.reason(r, calls), lp if lp and (lp.get("content") or
+                                                                                     lp.get("tokens")) else None)
                     except ApiError as e:
                         yield f"data: {json.dumps(e.body())}\n\n"
             if usage:
@@ -305,3 +354,8 @@ class Answer:
         finally:
             if left:
                 service.cancel(list(left))
+
+
+def maybe_call(text: str) -> bool:  # the answer so far is, or may grow into, a tool call
+    head = text.lstrip()
+    return head.startswith(tool_calls.OPEN) or tool_calls.OPEN.startswith(head)

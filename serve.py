@@ -27,7 +27,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import cli
-from openai_api import API_DEFAULTS, MAX_PROMPTS, Answer, ApiError, chat_tokens, need, prompt_tokens, sampling, whole
+from openai_api import (API_DEFAULTS, MAX_PROMPTS, Answer, ApiError, chat_tokens, need, prompt_tokens, sampling,
+                        tool_options, whole)
 from sampling import with_defaults
 
 KEY_ENV = "FAST_DECODE_API_KEY"
@@ -217,8 +218,11 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
     async def complete(request, chat: bool):
         body = await body_of(request)
         o = sampling(body, tokenizer.sampling_defaults, chat)
+        tools = tool_options(body, tokenizer, chat)
+        if tools and tools["grammar"]:
+            o["grammar"] = tools["grammar"]
         if chat:
-            prompts = [chat_tokens(tokenizer, body.get("messages"))]
+            prompts = [chat_tokens(tokenizer, body.get("messages"), tools and tools["tools"])]
         else:
             need("prompt" in body, "prompt is required", "prompt")
             prompts = prompt_tokens(tokenizer, body["prompt"], vocab)
@@ -226,7 +230,8 @@ def build_app(llm, engine, *, name: str, api_key=None, max_waiting: int = 64, ma
         rs = [r for tokens in prompts for r in await requests_for(tokens, o, "messages" if chat else "prompt")]
         loop, sink = asyncio.get_running_loop(), asyncio.Queue()
         service.submit(rs, loop, sink)
-        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop, o["n"], o["echo"], o["limit"] == 0)
+        answer = Answer(tokenizer, rs, chat, name, o["sampling"].stop, o["n"], o["echo"], o["limit"] == 0,
+                        bool(tools and tools["read"]))
         if o["stream"]:
             return StreamingResponse(answer.stream(sink, service, o["usage"]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

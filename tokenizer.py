@@ -169,13 +169,13 @@ class Tokenizer:
         # errors="replace": a streaming prefix may end mid UTF-8 sequence.
         return self._tt.decode(ids, errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         """The conversation as the model was trained to see it, rendered as transformers renders it: jinja2,
         sandboxed, with the same options and helpers."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template (no chat_template.jinja or tokenizer_config.json "
                              "chat_template beside its tokenizer); it is not a chat model")
-        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+        return render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, tools)
 
 
 def sampling_defaults(folder: Path) -> dict:
@@ -203,7 +203,8 @@ def _content(value):  # tokenizer_config.json writes a special token as "<s>" or
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, special_tokens: dict) -> str:
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool, special_tokens: dict,
+                tools=None) -> str:
     from jinja2 import TemplateError, ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # a template from a download runs no Python
 
@@ -218,7 +219,7 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **special_tokens)
+                                                **special_tokens, **({"tools": tools} if tools else {}))
     except TemplateError as e:
         raise ValueError(f"the chat template failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
             from None

@@ -10,7 +10,8 @@ request when its last one is answered: its new tokens per second over the whole 
 
     python scripts/bench_engine.py --models smollm2-int8 tinyllama-int8 --json bench_engine.json
     python scripts/bench_engine.py --models smollm2-int8 smollm2-int4 --peer llama.cpp --rounds 3
-    python scripts/bench_engine.py --models llama-3.2-1b --device cuda --concurrency 64 --requests 256"""
+    python scripts/bench_engine.py --models llama-3.2-1b --device cuda --concurrency 64 --requests 256
+    python scripts/bench_engine.py --models smollm2-int8 --scoring --rounds 3   # echo's cost against prefill"""
 import argparse
 import contextlib
 import io
@@ -108,6 +109,23 @@ def run_theirs(url: str, reqs: list[tuple[list[int], int]], concurrency: int, sa
     return llama_server.serve_workload(url, reqs, concurrency, sampling)
 
 
+def scoring_cost(engine: Engine, args, vocab: int) -> dict:
+    """Prompt tokens per second of --requests prompts prefilled plainly (one new token each) and scored (each prompt
+    token's log-probability, as the API's echo with logprobs 1 asks), in --rounds rounds alternating which goes
+    first; every run has prompts of its own, so that neither finds the other's blocks in the prefix cache."""
+    rates = {"plain": [], "scored": []}
+    for k in range(args.rounds):
+        for kind in ("plain", "scored") if k % 2 == 0 else ("scored", "plain"):
+            prompts = [p for p, _ in workload(args.requests, *args.lengths, vocab, 1000 + 2 * k + (kind == "scored"))]
+            t0 = time.perf_counter()
+            engine.run([Request(p, Sampling(1, temperature=0, prompt_logprobs=1 if kind == "scored" else None))
+                        for p in prompts])
+            rates[kind].append(sum(map(len, prompts)) / (time.perf_counter() - t0))
+    plain, scored = statistics.median(rates["plain"]), statistics.median(rates["scored"])
+    return {"plain_prompt_tokens_per_s": plain, "scored_prompt_tokens_per_s": scored, "scored_over_plain":
+            statistics.median(s / p for s, p in zip(rates["scored"], rates["plain"])), "rounds": rates}
+
+
 def bench_model(name: str, args, work: Path, tools) -> dict:
     """Ours, and with tools llama-server beside it, in --rounds rounds that alternate the two (ours first); the
     figures are the rounds' medians, the ratio the median of the rounds' own."""
@@ -140,6 +158,8 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
                                            "prefill_tokens_per_s", "steps", "preempted")},
            "batch1_tokens_per_s": single, "over_batch1": median(ours, "tokens_per_s") / single,
            "peak_kv_bytes": peak, "static_kv_bytes": static, "kv_share": peak / static}
+    if args.scoring:
+        out["scoring"] = scoring_cost(engine, args, model.args.vocab_size)
     if theirs:
         keys = ("seconds", "new_tokens", "prompt_tokens", "tokens_per_s")
         prompt = median(theirs, "prompt_tokens_per_s") if theirs[0]["prompt_tokens_per_s"] else None
@@ -165,6 +185,13 @@ def print_tables(results: dict, args):
     for name, r in results["models"].items():
         print(f"| {name} | {r['tokens_per_s']:.1f} | {r['prefill_tokens_per_s']:.0f} | {r['batch1_tokens_per_s']:.1f} "
               f"| {r['over_batch1']:.2f}x | {r['peak_kv_bytes'] / 1e6:.0f} MB | {r['kv_share']:.0%} |")
+    if args.scoring:
+        print("\n| model | prompt tokens/s: plain prefill | scored (echo, logprobs 1) | scored / plain |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, r in results["models"].items():
+            c = r["scoring"]
+            print(f"| {name} | {c['plain_prompt_tokens_per_s']:.0f} | {c['scored_prompt_tokens_per_s']:.0f} | "
+                  f"{c['scored_over_plain']:.2f}x |")
     if not args.peer:
         return
     print(f"\nthe same requests through llama.cpp's llama-server ({results['llama_cpp']}), {args.concurrency} slots; "
@@ -203,6 +230,8 @@ def main(argv=None):
                    "too, on the same weights, and report ours over its new tokens/s; llama.cpp is built once from "
                    "the llama-cpp-python source package (about 10 minutes on 2 cores) unless --llama_cpp names a build")
     p.add_argument("--llama_cpp", type=Path, help="--peer: a folder holding llama-server and llama-quantize")
+    p.add_argument("--scoring", action="store_true", help="also the cost of scoring prompts (each prompt token's "
+                   "log-probability, the API's echo) against plain prefill, prompt tokens/s")
     p.add_argument("--rounds", type=cli.positive_int, default=1, help="timed runs of the workload per model, ours "
                    "and llama.cpp's in turn; the medians are reported")
     args = cli.one_line_errors(p).parse_args(argv)
