@@ -12,6 +12,7 @@ there, and joins each feed-forward's gate and up layers into one product; model.
 runs there too, over a bf16 KV cache or an int8 one. Products of many rows (prefill) go to torch's GEMM in bf16 or
 fp32, or to the int8 and int4 kernels, whichever a measurement on this machine found faster. Without a compiler or
 a known instruction set, one line on stderr says so and torch's kernels stay."""
+import ctypes
 import hashlib
 import json
 import logging
@@ -44,7 +45,7 @@ SET_SOURCES = ("quantized.cpp", "attention.cpp", "step.cpp", "kernel_set.cpp")  
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux names them. torch's ATEN_CPU_CAPABILITY=avx2 (or default) hides the newer
-    ones here too, so that one setting runs an AVX-512 machine as an AVX2 one."""
+    ones here too, so that one setting runs an AVX-512 machine as an AVX2 one; =avx512 hides AMX."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -52,9 +53,21 @@ def cpu_flags() -> set[str]:
     flags = next((set(l.split(":", 1)[1].split()) for l in lines if l.split(":")[0].strip() in ("flags", "Features")),
                  set())
     capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if capability == "avx512":  # AVX-512 without AMX's tiles
+        flags = {f for f in flags if not f.startswith("amx")}
     if capability in ("avx2", "default"):
         flags = {f for f in flags if not f.startswith("avx512")} - ({"avx2"} if capability == "default" else set())
     return flags
+
+
+def amx_granted() -> bool:
+    """Whether Linux lets this process use AMX's tiles: it must ask once (arch_prctl ARCH_REQ_XCOMP_PERM for
+    XTILEDATA), and a kernel or VM may refuse."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
 
 
 def l1_data_kb() -> int:
@@ -78,6 +91,9 @@ def targets(flags: set[str]) -> list[tuple[str, list[Path], list[str]]]:
         # cores with less than 48 KB of L1 prefetch otherwise: HOW_IT_WORKS.md, "Prefetching the weights on a small L1"
         small_l1 = ["-DKV_HINT=_MM_HINT_T1", "-DKV_AHEAD=7168", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"]
         small_l1 = small_l1 if 0 < l1_data_kb() < 48 else []
+        if extra and {"amx_tile", "amx_bf16"} <= flags and amx_granted():  # AMX for the bf16 products
+            out.append(("avx512+" + "+".join(f[7:] for f in extra) + "+amx", sources,
+                        base + ["-m" + f.replace("_", "") for f in extra] + ["-mamx-tile", "-mamx-bf16"] + small_l1))
         if extra:  # the plain AVX-512 set too, second: a test can run both
             out.append(("avx512+" + "+".join(f[7:] for f in extra), sources,
                         base + ["-m" + f.replace("_", "") for f in extra] + small_l1))

