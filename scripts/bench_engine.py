@@ -308,8 +308,7 @@ def main(argv=None):
         if args.peer == "vllm":  # loaded once (a minute or two) for every model of ours
             from bench_speculative import smollm2_gguf
             folder = vllm_peer.hf_folder(smollm2_gguf(), Path(work) / "smollm2-hf")
-            longest = max(len(p) + n for p, n in workload(args.requests, *args.lengths, 2, args.seed))
-            vllm = vllm_peer.Peer(args.vllm, folder, args.concurrency, longest, torch.get_num_threads())
+            vllm = vllm_peer.Peer(args.vllm, folder, args.concurrency, 2 * args.lengths[1], torch.get_num_threads())
             stack.callback(vllm.close)
             results["vllm"] = vllm.version
         for name in args.models:

@@ -55,7 +55,7 @@ class Peer:
     def read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"vLLM stopped: see {self.log.name}")
+            raise OSError(f"vLLM stopped: see {self.log.name}")  # one line through cli.run_main
         return json.loads(line)
 
     def run(self, requests: list[tuple[list[int], int]], kind: str) -> dict:

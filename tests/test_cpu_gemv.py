@@ -505,3 +505,9 @@ def test_the_output_head_gives_float32_logits(checkpoint, kernels):
     logits = model(torch.tensor([[1, 5, 9]]), model.context(torch.arange(3), last=True))
     assert logits.dtype == torch.float32 and logits.shape == (1, 1, model.args.vocab_size)
     assert logits.bfloat16().float().ne(logits).any()  # values bf16 could not hold
+
+
+def test_aten_cpu_capability_avx512_hides_amx(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
+    assert not any(f.startswith("amx") for f in cpu_gemv.cpu_flags())
+    assert not any(name.endswith("+amx") for name, _, _ in cpu_gemv.targets(cpu_gemv.cpu_flags()))
