@@ -101,7 +101,7 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// g rows of x a B tile (and a C tile). Loaded for each piece of work, and released after it: torch's own GEMMs
+// g rows of x a B tile (and a C tile). Loaded by each thread once a call, and released after it: torch's own GEMMs
 // (oneDNN) use the tiles too, between our calls, on the same threads.
 static void configure(int64_t g) {
     TileConfig c = {};
@@ -111,8 +111,28 @@ static void configure(int64_t g) {
     _tile_loadconfig(&c);
 }
 
+// share_rows (common.h) with the tiles configured once a thread for the whole call: loading the configuration for
+// every chunk cost as much as the chunk's own reads (a third of the output head's time at batch 1)
+template <typename F>
+static void share_tiles(int64_t n, int64_t unit_bytes, int64_t g, F&& body) {
+    const int nt = omp_get_max_threads();
+    const int64_t chunk = CHUNK_BYTES / unit_bytes > 1 ? CHUNK_BYTES / unit_bytes : 1;
+    if (nt == 1 || n <= chunk) {
+        configure(g);
+        body(0, n);
+        return _tile_release();
+    }
+    std::vector<Range>& ranges = split_ranges(n, nt);
+    #pragma omp parallel num_threads(nt)
+    {
+        configure(g);
+        take_shared(ranges, nt, chunk, body);
+        _tile_release();
+    }
+}
+
 // 32 weight rows (w0: the first 16, w1: the next 16) by g rows of x packed as xb (per step of 32 along K: 16 rows of
-// g pairs), into out [2][16][16] (weight row, row of x).
+// g pairs), into out [2][16][16] (weight row, row of x), or for one row of x [32].
 static inline void tile32(const uint16_t* w0, const uint16_t* w1, const uint32_t* xb, int64_t g, int64_t K,
                           float* out) {
     _tile_zero(0);
@@ -131,6 +151,11 @@ static inline void tile32(const uint16_t* w0, const uint16_t* w1, const uint32_t
         _tile_dpbf16ps(0, 5, 7);
         _tile_loadd(6, w1 + k, 2 * K);
         _tile_dpbf16ps(1, 6, 7);
+    }
+    if (g == 1) {  // one row of x: its 32 sums side by side, nothing to transpose
+        _tile_stored(0, out, 4);
+        _tile_stored(1, out + 16, 4);
+        return;
     }
     _tile_stored(0, out, 64);
     _tile_stored(1, out + 256, 64);
@@ -169,8 +194,7 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
         for (int64_t p = 0; p < K / 2; p++) to[p * g] = x2[m * (K / 2) + p];
     }
     const int64_t blocks = (N + 31) / 32;
-    share_rows(blocks, 64 * K, CHUNK_BYTES, [&](int64_t a, int64_t b) {
-        configure(g);
+    share_tiles(blocks, 64 * K, g, [&](int64_t a, int64_t b) {
         alignas(64) float out[2][16][16];
         static thread_local vec<uint16_t> pad_;  // the last rows past N, as zeros
         for (int64_t blk = a; blk < b; blk++) {
@@ -186,7 +210,8 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
                 tile32(w0, w0 + 16 * K, &xb[grp * steps * 16 * g], g, K, &out[0][0][0]);
                 for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
                     __m512 r[16];
-                    transpose16(&out[h][0][0], r);
+                    if (g == 1) r[0] = _mm512_load_ps(&out[0][0][16 * h]);
+                    else transpose16(&out[h][0][0], r);
                     const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
                     for (int64_t j = 0; j < g && grp * g + j < M; j++) {
                         const int64_t at = (grp * g + j) * N + n0 + 16 * h;
@@ -197,7 +222,6 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
                 }
             }
         }
-        _tile_release();
     });
 }
 #endif
