@@ -1,6 +1,9 @@
 // The bf16 product with AVX-512: pairs multiplied by dpbf16 where the CPU has AVX512-BF16, else widened to fp32.
 #include "common.h"
 #include "kernels.h"
+#ifdef __AMX_BF16__
+#include "amx.h"
+#endif
 
 
 // bf16. With AVX512-BF16, dpbf16 multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes: x stays bf16
@@ -95,40 +98,13 @@ static inline float dot1(const uint16_t* x, const uint16_t* w, int64_t K) {
 // up to 16 rows of x. C is then weight row by row of x, written out transposed. Each sum is one chain of tdpbf16ps
 // over K, whatever the rows beside it: the same bits for a row alone (batch 1) as in a batch or a prompt.
 // Tiles: 0 and 1 C (two groups of 16 weight rows), 2 and 3 their A, 4 B; 5, 6 and 7 the same for a last 16 of K.
-struct alignas(64) TileConfig {
-    uint8_t palette, start, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// g rows of x a B tile (and a C tile). Loaded by each thread once a call, and released after it: torch's own GEMMs
-// (oneDNN) use the tiles too, between our calls, on the same threads.
-static void configure(int64_t g) {
+// g rows of x a B tile (and a C tile)
+static TileConfig tiles_for(int64_t g) {
     TileConfig c = {};
     c.palette = 1;
     for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 4 * g;  // C and B: g fp32, or g bf16 pairs, a row
     c.colsb[2] = c.colsb[3] = 64, c.colsb[5] = c.colsb[6] = 32, c.rows[7] = 8;  // A: 32 (or 16) bf16 a row
-    _tile_loadconfig(&c);
-}
-
-// share_rows (common.h) with the tiles configured once a thread for the whole call: loading the configuration for
-// every chunk cost as much as the chunk's own reads (a third of the output head's time at batch 1)
-template <typename F>
-static void share_tiles(int64_t n, int64_t unit_bytes, int64_t g, F&& body) {
-    const int nt = omp_get_max_threads();
-    const int64_t chunk = CHUNK_BYTES / unit_bytes > 1 ? CHUNK_BYTES / unit_bytes : 1;
-    if (nt == 1 || n <= chunk) {
-        configure(g);
-        body(0, n);
-        return _tile_release();
-    }
-    std::vector<Range>& ranges = split_ranges(n, nt);
-    #pragma omp parallel num_threads(nt)
-    {
-        configure(g);
-        take_shared(ranges, nt, chunk, body);
-        _tile_release();
-    }
+    return c;
 }
 
 // 32 weight rows (w0: the first 16, w1: the next 16) by g rows of x packed as xb (per step of 32 along K: 16 rows of
@@ -161,27 +137,6 @@ static inline void tile32(const uint16_t* w0, const uint16_t* w1, const uint32_t
     _tile_stored(1, out + 256, 64);
 }
 
-// a [16][16] -> r[j] = column j: unpacks within 128-bit lanes (columns 4L + c of 4 rows in lane L), then 128-bit
-// lanes across vectors
-static inline void transpose16(const float* a, __m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        const __m512 p = _mm512_load_ps(a + 16 * i), q = _mm512_load_ps(a + 16 * (i + 1));
-        t[i] = _mm512_unpacklo_ps(p, q), t[i + 1] = _mm512_unpackhi_ps(p, q);
-    }
-    for (int i = 0; i < 16; i += 4) {  // u[i + c] lane L: column 4L + c of rows i .. i + 3
-        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512 p0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), p1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
-        const __m512 p2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512 p3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
-        r[c] = _mm512_shuffle_f32x4(p0, p2, 0x88), r[4 + c] = _mm512_shuffle_f32x4(p0, p2, 0xdd);
-        r[8 + c] = _mm512_shuffle_f32x4(p1, p3, 0x88), r[12 + c] = _mm512_shuffle_f32x4(p1, p3, 0xdd);
-    }
-}
-
 static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
     const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, steps = (K + 31) / 32;  // g <= 16 rows each
     // xb: per group of g rows (the last padded with zeros), per step, per pair of K, the group's rows' pairs
@@ -194,7 +149,7 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
         for (int64_t p = 0; p < K / 2; p++) to[p * g] = x2[m * (K / 2) + p];
     }
     const int64_t blocks = (N + 31) / 32;
-    share_tiles(blocks, 64 * K, g, [&](int64_t a, int64_t b) {
+    share_tiles(blocks, 64 * K, tiles_for(g), [&](int64_t a, int64_t b) {
         alignas(64) float out[2][16][16];
         static thread_local vec<uint16_t> pad_;  // the last rows past N, as zeros
         for (int64_t blk = a; blk < b; blk++) {

@@ -1,5 +1,8 @@
 #include "common.h"
 #include "kernels.h"
+#ifdef __AMX_INT8__
+#include "amx.h"
+#endif
 
 // The int8 and int4 products, for both instruction sets (AVX2 instructions, and VNNI's dpbusd where present). x is
 // rounded to int8 per block (int8: 32 values; int4: the weights' group), x ~ d * xq, so that a block's products are
@@ -508,6 +511,114 @@ static void head_i8_bf16(const uint16_t* x, const int8_t* w, const uint16_t* sca
 #endif
 
 // y[M, N] = x[M, K] @ (w[N, K] * scales[N])^T, x, scales and y bf16, w int8; K a multiple of 32
+#ifdef __AMX_INT8__
+// int8 with AMX (the avx512+...+amx set): tdpbssd multiplies 16 weight rows by a block of 32 int8 (the A tile,
+// straight from w) by x's block rounded to int8 (the B tile: the block's 8 quads by g rows of x, packed once a call)
+// into 16 x g exact int32 block sums. Each is converted and added times x's block scale into its pair's fp32 sum,
+// block after block, then scaled by the weight row's: the same operations in the same order for a row of x whatever
+// rows share the call, so batch 1 computes what a batch or a prompt does. Tiles: 0 and 1 C (16 weight rows each),
+// 2 and 3 their A, 4 B; 5, 6 and 7 the C and B of a second block.
+static TileConfig int8_tiles(int64_t g) {
+    TileConfig c = {};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 4 * g;  // C: g int32 a row
+    c.colsb[2] = c.colsb[3] = 32, c.rows[4] = c.rows[7] = 8;  // A: 32 int8 a row; B: per quad of a block, g rows
+    return c;
+}
+
+// a block's 32 x g int32 sums c (as gemv_int8_amx stores them) converted and added times x's scales d into acc
+static inline void sums_into(__m512* acc, const int32_t* c, int64_t g, const float* d) {
+    if (g == 1) {
+        const __m512 db = _mm512_set1_ps(d[0]);
+        for (int h = 0; h < 2; h++) acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), db, acc[h]);
+        return;
+    }
+    const __m512 db = _mm512_load_ps(d);
+    for (int r = 0; r < 32; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
+}
+
+static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* scales, void* y, int64_t M,
+                          int64_t N, int64_t K, int64_t f32) {
+    const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, nb = K / 32;  // g <= 16 rows each
+    static thread_local vec<uint32_t> xb_;
+    static thread_local vec<float> d_;
+    vec<uint32_t>& xb = xb_;  // per group of g rows, block, quad: the group's rows' quads (zeros past M)
+    vec<float>& d = d_;  // per group, block: its rows' scales in 16 lanes (zeros past the group)
+    xb.assign(groups * nb * 8 * g, 0), d.assign(groups * nb * 16, 0.f);
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t* q = (const uint32_t*)xq[m].q.data();
+        uint32_t* to = &xb[m / g * nb * 8 * g + m % g];
+        for (int64_t p = 0; p < K / 4; p++) to[p * g] = q[p];
+        for (int64_t b = 0; b < nb; b++) d[(m / g * nb + b) * 16 + m % g] = xq[m].d[b];
+    }
+    share_tiles((N + 31) / 32, 32 * K, int8_tiles(g), [&](int64_t a, int64_t e) {
+        alignas(64) int32_t c[32 * 16] = {};
+        alignas(64) float o[16 * 16];
+        static thread_local vec<int8_t> pad_;  // the last rows past N, as zeros
+        for (int64_t blk = a; blk < e; blk++) {
+            const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
+            const int8_t* w0 = w + n0 * K;
+            if (rows < 32) {
+                vec<int8_t>& pad = pad_;
+                pad.assign(32 * K, 0);
+                memcpy(pad.data(), w0, rows * K);
+                w0 = pad.data();
+            }
+            for (int64_t grp = 0; grp < groups; grp++) {
+                const uint32_t* xg = &xb[grp * nb * 8 * g];
+                const float* dg = &d[grp * nb * 16];
+                __m512 acc[32];  // g 1: acc[0], acc[1] by weight row; else acc[r] by row of x, weight row r's
+                for (int r = 0; r < 32; r++) acc[r] = _mm512_setzero_ps();
+                // two blocks a step, in C tiles 0, 1 and 5, 6: the second's products run while the first's sums
+                // are stored and scaled
+                for (int64_t b = 0; b < nb; b += 2) {
+                    const bool two = b + 1 < nb;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_loadd(4, xg + b * 8 * g, 4 * g);
+                    _tile_loadd(2, w0 + 32 * b, K);
+                    _tile_dpbssd(0, 2, 4);
+                    _tile_loadd(3, w0 + 16 * K + 32 * b, K);
+                    _tile_dpbssd(1, 3, 4);
+                    if (two) {
+                        _tile_zero(5);
+                        _tile_zero(6);
+                        _tile_loadd(7, xg + (b + 1) * 8 * g, 4 * g);
+                        _tile_loadd(2, w0 + 32 * (b + 1), K);
+                        _tile_dpbssd(5, 2, 7);
+                        _tile_loadd(3, w0 + 16 * K + 32 * (b + 1), K);
+                        _tile_dpbssd(6, 3, 7);
+                    }
+                    const int64_t st = g == 1 ? 4 : 64;  // one row of x: the 32 sums side by side in c
+                    _tile_stored(0, c, st);
+                    _tile_stored(1, c + (g == 1 ? 16 : 256), st);
+                    sums_into(acc, c, g, dg + 16 * b);
+                    if (two) {
+                        _tile_stored(5, c, st);
+                        _tile_stored(6, c + (g == 1 ? 16 : 256), st);
+                        sums_into(acc, c, g, dg + 16 * (b + 1));
+                    }
+                }
+                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {  // 16 weight rows: their scales, then y
+                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), scales + n0 + 16 * h)), 16));
+                    if (g == 1) {
+                        put16(y, n0 + 16 * h, _mm512_mul_ps(acc[h], sc), n, f32);
+                        continue;
+                    }
+                    __m512 r[16];
+                    for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[16 * h + i]);
+                    transpose16(o, r);  // r[j]: row j of x's sums with the 16 weight rows
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
+                        put16(y, (grp * g + j) * N + n0 + 16 * h, _mm512_mul_ps(r[j], sc), n, f32);
+                }
+            }
+        }
+    });
+}
+#endif
+
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
@@ -555,6 +666,9 @@ void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* 
         shift[m] = 0.f;
         for (int64_t b = 0; FLIP && b < K / 32; b++) shift[m] += FLIP * xq[m].c[b];
     }
+#ifdef __AMX_INT8__
+    return gemv_int8_amx(xq, w, scales, y, M, N, K, f32);
+#endif
     // Each weight row is read from memory once, 8 rows' sums reduced together. Several rows of x (a batch, a verify
     // pass) go over the 8 rows while they are in cache, in tiles of TW weight rows by TR rows of x, each summed
     // exactly as it would be alone: a row's result does not depend on the rows beside it, so verifying a token
