@@ -137,20 +137,71 @@ static inline void tile32(const uint16_t* w0, const uint16_t* w1, const uint32_t
     _tile_stored(1, out + 256, 64);
 }
 
+// two groups of rows of x a pass (K a multiple of 32): tiles 0-3 C, 4 and 5 A (the two 16 weight rows), 6 and 7 B
+// (the two groups), so that 4 tile loads serve 4 tdpbf16ps instead of 3 serving 2
+static TileConfig pair_tiles(int64_t g) {
+    TileConfig c = {};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = t == 4 || t == 5 ? 64 : 4 * g;
+    return c;
+}
+
+// tile32 for two groups of x (xa, xb) at once under pair_tiles: out [4][16][16], the first group's two then the
+// second's. Each sum is the same chain as tile32's.
+static inline void tile32x2(const uint16_t* w0, const uint16_t* w1, const uint32_t* xa, const uint32_t* xb,
+                            int64_t g, int64_t K, float* out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32, xa += 16 * g, xb += 16 * g) {
+        _tile_loadd(4, w0 + k, 2 * K);
+        _tile_loadd(6, xa, 4 * g);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, w1 + k, 2 * K);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(7, xb, 4 * g);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
+    _tile_stored(2, out + 512, 64);
+    _tile_stored(3, out + 768, 64);
+}
+
 static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
     const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, steps = (K + 31) / 32;  // g <= 16 rows each
     // xb: per group of g rows (the last padded with zeros), per step, per pair of K, the group's rows' pairs
     static thread_local vec<uint32_t> xb_;
     vec<uint32_t>& xb = xb_;  // (by reference in the parallel region: a thread_local name is each thread's own)
-    xb.assign(groups * steps * 16 * g, 0);
+    xb.resize(groups * steps * 16 * g);
     const uint32_t* x2 = (const uint32_t*)x;  // pairs of bf16
-    for (int64_t m = 0; m < M; m++) {  // pair p of row m: step p / 16, its row p % 16, so p g + m % g in the group
-        uint32_t* to = &xb[m / g * steps * 16 * g + m % g];
-        for (int64_t p = 0; p < K / 2; p++) to[p * g] = x2[m * (K / 2) + p];
+    // pair p of row m: step p / 16, its row p % 16, so p g + m % g in the group; past M and K zeros. Groups of 16
+    // rows 16 pairs at a time, transposed in registers; a prompt's rows on every thread.
+    #pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t grp = 0; grp < groups; grp++) {
+        uint32_t* to = &xb[grp * steps * 16 * g];
+        const int64_t m0 = grp * g, rows = M - m0 < g ? M - m0 : g;
+        if (g == 16 && rows == 16 && K % 32 == 0) {
+            alignas(64) float a[16][16];
+            for (int64_t st = 0; st < steps; st++) {
+                for (int i = 0; i < 16; i++)
+                    _mm512_store_ps(a[i], _mm512_castsi512_ps(_mm512_loadu_si512(x2 + (m0 + i) * (K / 2) + 16 * st)));
+                __m512 r[16];
+                transpose16(&a[0][0], r);
+                for (int j = 0; j < 16; j++) _mm512_store_si512(to + 256 * st + 16 * j, _mm512_castps_si512(r[j]));
+            }
+            continue;
+        }
+        memset(to, 0, 4 * steps * 16 * g);
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t p = 0; p < K / 2; p++) to[p * g + i] = x2[(m0 + i) * (K / 2) + p];
     }
     const int64_t blocks = (N + 31) / 32;
-    share_tiles(blocks, 64 * K, tiles_for(g), [&](int64_t a, int64_t b) {
-        alignas(64) float out[2][16][16];
+    const bool pairs = groups > 1 && K % 32 == 0;
+    share_tiles(blocks, 64 * K, pairs ? pair_tiles(g) : tiles_for(g), [&](int64_t a, int64_t b) {
+        alignas(64) float out[4][16][16];
         static thread_local vec<uint16_t> pad_;  // the last rows past N, as zeros
         for (int64_t blk = a; blk < b; blk++) {
             const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
@@ -161,20 +212,26 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
                 memcpy(pad.data(), w0, 2 * rows * K);
                 w0 = pad.data();
             }
-            for (int64_t grp = 0; grp < groups; grp++) {
-                tile32(w0, w0 + 16 * K, &xb[grp * steps * 16 * g], g, K, &out[0][0][0]);
+            auto emit = [&](int64_t grp, const float* o) {  // o [2][16][16] (or [32] for one row) -> y
                 for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
                     __m512 r[16];
-                    if (g == 1) r[0] = _mm512_load_ps(&out[0][0][16 * h]);
-                    else transpose16(&out[h][0][0], r);
+                    if (g == 1) r[0] = _mm512_load_ps(o + 16 * h);
+                    else transpose16(o + 256 * h, r);
                     const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++) {
-                        const int64_t at = (grp * g + j) * N + n0 + 16 * h;
-                        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r[j]), 1));
-                        put8(y, at, _mm512_castps512_ps256(r[j]), n < 8 ? n : 8, f32);
-                        if (n > 8) put8(y, at + 8, hi, n - 8, f32);
-                    }
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++) put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
                 }
+            };
+            for (int64_t grp = 0; grp < groups;) {
+                const uint32_t* xg = &xb[grp * steps * 16 * g];
+                if (!pairs) {
+                    tile32(w0, w0 + 16 * K, xg, g, K, &out[0][0][0]);
+                    emit(grp++, &out[0][0][0]);
+                    continue;
+                }
+                const bool two = grp + 1 < groups;  // a last group alone: paired with itself
+                tile32x2(w0, w0 + 16 * K, xg, two ? xg + steps * 16 * g : xg, g, K, &out[0][0][0]);
+                emit(grp++, &out[0][0][0]);
+                if (two) emit(grp++, &out[2][0][0]);
             }
         }
     });
