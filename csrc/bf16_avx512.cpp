@@ -98,45 +98,6 @@ static inline float dot1(const uint16_t* x, const uint16_t* w, int64_t K) {
 // up to 16 rows of x. C is then weight row by row of x, written out transposed. Each sum is one chain of tdpbf16ps
 // over K, whatever the rows beside it: the same bits for a row alone (batch 1) as in a batch or a prompt.
 // Tiles: 0 and 1 C (two groups of 16 weight rows), 2 and 3 their A, 4 B; 5, 6 and 7 the same for a last 16 of K.
-// g rows of x a B tile (and a C tile)
-static TileConfig tiles_for(int64_t g) {
-    TileConfig c = {};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 4 * g;  // C and B: g fp32, or g bf16 pairs, a row
-    c.colsb[2] = c.colsb[3] = 64, c.colsb[5] = c.colsb[6] = 32, c.rows[7] = 8;  // A: 32 (or 16) bf16 a row
-    return c;
-}
-
-// 32 weight rows (w0: the first 16, w1: the next 16) by g rows of x packed as xb (per step of 32 along K: 16 rows of
-// g pairs), into out [2][16][16] (weight row, row of x), or for one row of x [32].
-static inline void tile32(const uint16_t* w0, const uint16_t* w1, const uint32_t* xb, int64_t g, int64_t K,
-                          float* out) {
-    _tile_zero(0);
-    _tile_zero(1);
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32, xb += 16 * g) {
-        _tile_loadd(4, xb, 4 * g);
-        _tile_loadd(2, w0 + k, 2 * K);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_loadd(3, w1 + k, 2 * K);
-        _tile_dpbf16ps(1, 3, 4);
-    }
-    if (k < K) {  // the last 16 of K: 8 pairs
-        _tile_loadd(7, xb, 4 * g);
-        _tile_loadd(5, w0 + k, 2 * K);
-        _tile_dpbf16ps(0, 5, 7);
-        _tile_loadd(6, w1 + k, 2 * K);
-        _tile_dpbf16ps(1, 6, 7);
-    }
-    if (g == 1) {  // one row of x: its 32 sums side by side, nothing to transpose
-        _tile_stored(0, out, 4);
-        _tile_stored(1, out + 16, 4);
-        return;
-    }
-    _tile_stored(0, out, 64);
-    _tile_stored(1, out + 256, 64);
-}
-
 // two groups of rows of x a pass (K a multiple of 32): tiles 0-3 C, 4 and 5 A (the two 16 weight rows), 6 and 7 B
 // (the two groups), so that 4 tile loads serve 4 tdpbf16ps instead of 3 serving 2
 static TileConfig pair_tiles(int64_t g) {
@@ -172,32 +133,9 @@ static inline void tile32x2(const uint16_t* w0, const uint16_t* w1, const uint32
 
 static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, int64_t N, int64_t K, int64_t f32) {
     const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, steps = (K + 31) / 32;  // g <= 16 rows each
-    // xb: per group of g rows (the last padded with zeros), per step, per pair of K, the group's rows' pairs
     static thread_local vec<uint32_t> xb_;
     vec<uint32_t>& xb = xb_;  // (by reference in the parallel region: a thread_local name is each thread's own)
-    xb.resize(groups * steps * 16 * g);
-    const uint32_t* x2 = (const uint32_t*)x;  // pairs of bf16
-    // pair p of row m: step p / 16, its row p % 16, so p g + m % g in the group; past M and K zeros. Groups of 16
-    // rows 16 pairs at a time, transposed in registers; a prompt's rows on every thread.
-    #pragma omp parallel for schedule(static) if (M * K >= 65536)
-    for (int64_t grp = 0; grp < groups; grp++) {
-        uint32_t* to = &xb[grp * steps * 16 * g];
-        const int64_t m0 = grp * g, rows = M - m0 < g ? M - m0 : g;
-        if (g == 16 && rows == 16 && K % 32 == 0) {
-            alignas(64) float a[16][16];
-            for (int64_t st = 0; st < steps; st++) {
-                for (int i = 0; i < 16; i++)
-                    _mm512_store_ps(a[i], _mm512_castsi512_ps(_mm512_loadu_si512(x2 + (m0 + i) * (K / 2) + 16 * st)));
-                __m512 r[16];
-                transpose16(&a[0][0], r);
-                for (int j = 0; j < 16; j++) _mm512_store_si512(to + 256 * st + 16 * j, _mm512_castps_si512(r[j]));
-            }
-            continue;
-        }
-        memset(to, 0, 4 * steps * 16 * g);
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t p = 0; p < K / 2; p++) to[p * g + i] = x2[(m0 + i) * (K / 2) + p];
-    }
+    pack_pairs(x, M, K, g, xb);
     const int64_t blocks = (N + 31) / 32;
     const bool pairs = groups > 1 && K % 32 == 0;
     share_tiles(blocks, 64 * K, pairs ? pair_tiles(g) : tiles_for(g), [&](int64_t a, int64_t b) {

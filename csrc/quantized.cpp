@@ -537,6 +537,43 @@ static inline void sums_into(__m512* acc, const int32_t* c, int64_t g, const flo
     for (int r = 0; r < 32; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
 }
 
+// The output head's int8 product (f32) with AMX: each block of 32 weight rows made bf16 (exactly, bf16_of_i8) in
+// scratch, then the bf16 product's tiles (amx.h's tile32) over it: every product exact, one fp32 chain per output
+// along K whatever the rows beside it, then the weight row's scale.
+static void head_i8_amx(const uint16_t* x, const int8_t* w, const uint16_t* scales, float* y, int64_t M, int64_t N,
+                        int64_t K) {
+    const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, steps = K / 32;
+    static thread_local vec<uint32_t> xb_;
+    vec<uint32_t>& xb = xb_;
+    pack_pairs(x, M, K, g, xb);
+    share_tiles((N + 31) / 32, 32 * K, tiles_for(g), [&](int64_t a, int64_t b) {
+        static thread_local vec<uint16_t> wb_;
+        vec<uint16_t>& wb = wb_;  // the block's weights as bf16, rows past N zeros
+        wb.resize(32 * K);
+        alignas(64) float out[2][16][16];
+        for (int64_t blk = a; blk < b; blk++) {
+            const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
+            for (int64_t r = 0; r < 32; r++)
+                for (int64_t k = 0; k < K; k += 32)
+                    _mm512_storeu_si512(&wb[r * K + k], r < rows ? bf16_of_i8(w + (n0 + r) * K + k)
+                                                                 : _mm512_setzero_si512());
+            for (int64_t grp = 0; grp < groups; grp++) {
+                tile32(wb.data(), wb.data() + 16 * K, &xb[grp * steps * 16 * g], g, K, &out[0][0][0]);
+                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
+                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                        _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), scales + n0 + 16 * h)), 16));
+                    __m512 r[16];
+                    if (g == 1) r[0] = _mm512_load_ps(&out[0][0][16 * h]);
+                    else transpose16(&out[h][0][0], r);
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
+                        put16(y, (grp * g + j) * N + n0 + 16 * h, _mm512_mul_ps(r[j], sc), n, 1);
+                }
+            }
+        }
+    });
+}
+
 static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint16_t* scales, void* y, int64_t M,
                           int64_t N, int64_t K, int64_t f32) {
     const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, nb = K / 32;  // g <= 16 rows each
@@ -622,6 +659,9 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
 void fast_decode::gemv_int8(const uint16_t* x, const int8_t* w, const uint16_t* scales, void* y,
                           int64_t M, int64_t N, int64_t K, int64_t f32) {
     if (f32) {
+#ifdef __AMX_INT8__
+        return head_i8_amx(x, w, scales, (float*)y, M, N, K);
+#endif
 #ifdef __AVX512BF16__
         return head_i8_bf16(x, w, scales, (float*)y, M, N, K);
 #else
