@@ -91,7 +91,7 @@ def targets(flags: set[str]) -> list[tuple[str, list[Path], list[str]]]:
         # cores with less than 48 KB of L1 prefetch otherwise: HOW_IT_WORKS.md, "Prefetching the weights on a small L1"
         small_l1 = ["-DKV_HINT=_MM_HINT_T1", "-DKV_AHEAD=7168", "-DAHEAD_WEIGHTS=0", "-DAHEAD_BF16=4096"]
         small_l1 = small_l1 if 0 < l1_data_kb() < 48 else []
-        if extra and {"amx_tile", "amx_bf16"} <= flags and amx_granted():  # AMX for the bf16 and int8 products
+        if extra and {"amx_tile", "amx_bf16"} <= flags and amx_granted():  # AMX for the bf16, int8 and int4 products
             out.append(("avx512+" + "+".join(f[7:] for f in extra) + "+amx", sources,
                         base + ["-m" + f.replace("_", "") for f in extra] + ["-mamx-tile", "-mamx-bf16"] +
                         (["-mamx-int8"] if "amx_int8" in flags else []) + small_l1))

@@ -892,11 +892,176 @@ static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t*
     }
 }
 
+#ifdef __AMX_INT8__
+// int4 with AMX (G of 64 or more): tdpbusd multiplies 16 weight rows' q (0..15, unsigned) by 64 of x rounded to int8
+// per group (signed). The A tile: a block of 32 weight rows unpacked once into scratch, each 32 packed bytes as
+// their 32 low nibbles then their 32 high ones, which is x's order by 64 (prepare's span 64); the B tile: x's quads
+// by g rows, packed once a call. A group's G / 64 steps add into exact int32 sums; then per group, in one fp32 chain
+// per output: acc += sum x (s d), acc += z x sum x, acc += -8 s x c (sum (q - 8) x ~ d sum q xq - 8 c). The same
+// operations in the same order for a row of x whatever rows share the call. Tiles: 0, 1 C; 2, 3 A; 4 B; 5, 6, 7
+// the C and B of a second group.
+static TileConfig int4_tiles(int64_t g) {
+    TileConfig c = {};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = t == 2 || t == 3 ? 64 : 4 * g;
+    return c;
+}
+
+// rows [32][K / 2] of packed q -> u [32][K] unpacked in x's order by 64 (low nibbles, then high ones)
+static inline void unpack32(const uint8_t* w, int64_t rows, int64_t K, uint8_t* u) {
+    const __m512i nib = _mm512_set1_epi8(15);
+    for (int64_t r = 0; r < 32; r++) {
+        uint8_t* to = u + r * K;
+        if (r >= rows) {
+            memset(to, 0, K);
+            continue;
+        }
+        const uint8_t* from = w + r * (K / 2);
+        int64_t j = 0;
+        for (; j + 64 <= K / 2; j += 64) {  // 64 bytes: 128 weights, two spans of 64
+            const __m512i b = _mm512_loadu_si512(from + j);
+            const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+            _mm512_storeu_si512(to + 2 * j, _mm512_shuffle_i64x2(lo, hi, 0x44));
+            _mm512_storeu_si512(to + 2 * j + 64, _mm512_shuffle_i64x2(lo, hi, 0xee));
+        }
+        if (j < K / 2) {  // a last span of 64
+            const __m256i b = _mm256_loadu_si256((const __m256i*)(from + j)), n = _mm256_set1_epi8(15);
+            _mm256_storeu_si256((__m256i*)(to + 2 * j), _mm256_and_si256(b, n));
+            _mm256_storeu_si256((__m256i*)(to + 2 * j + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), n));
+        }
+    }
+}
+
+static inline __m512 widen16(__m256i b) {  // 16 bf16 -> fp32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
+                          void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
+    const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, ng = K / G;  // g <= 16 rows of x each
+    static thread_local vec<uint32_t> xb_;
+    static thread_local vec<float> dcs_;
+    vec<uint32_t>& xb = xb_;  // per group of g rows, quad of K: the rows' quads (zeros past M)
+    vec<float>& dcs = dcs_;  // per group of rows, group of K: d, c and sum x of its rows, 16 lanes each
+    xb.assign(groups * (K / 4) * g, 0), dcs.assign(groups * ng * 48, 0.f);
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t* q = (const uint32_t*)xq[m].q.data();
+        uint32_t* to = &xb[m / g * (K / 4) * g + m % g];
+        for (int64_t p = 0; p < K / 4; p++) to[p * g] = q[p];
+        for (int64_t b = 0; b < ng; b++) {
+            float* at = &dcs[(m / g * ng + b) * 48 + m % g];
+            at[0] = xq[m].d[b], at[16] = xq[m].c[b], at[32] = xq[m].sum[b];
+        }
+    }
+    share_tiles((N + 31) / 32, 16 * K, int4_tiles(g), [&](int64_t a, int64_t e) {
+        static thread_local vec<uint8_t> u_;
+        static thread_local vec<float> sz_;
+        vec<uint8_t>& u = u_;  // the block's q, unpacked
+        vec<float>& sz = sz_;  // the block's scales [32][ng], then its zeros [32][ng], as fp32
+        u.resize(32 * K), sz.resize(64 * ng);
+        const __m512i by_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                                                    15), _mm512_set1_epi32((int)ng));
+        alignas(64) int32_t c[32 * 16] = {};
+        alignas(64) float o[16 * 16];
+        for (int64_t blk = a; blk < e; blk++) {
+            const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
+            unpack32(w + n0 * (K / 2), rows, K, u.data());
+            for (int64_t i = 0; i < 32 * ng; i += 16) {  // rows past N: zeros
+                const int64_t n = rows * ng - i < 16 ? (rows * ng - i > 0 ? rows * ng - i : 0) : 16;
+                const __mmask16 live = (__mmask16)((1u << n) - 1);
+                _mm512_storeu_ps(&sz[i], widen16(_mm256_maskz_loadu_epi16(live, scales + n0 * ng + i)));
+                _mm512_storeu_ps(&sz[32 * ng + i], widen16(_mm256_maskz_loadu_epi16(live, zeros + n0 * ng + i)));
+            }
+            for (int64_t grp = 0; grp < groups; grp++) {
+                const uint32_t* xg = &xb[grp * (K / 4) * g];
+                __m512 acc[32];  // g 1: acc[0], acc[1] by weight row; else acc[r] by row of x, weight row r's
+                for (int r = 0; r < 32; r++) acc[r] = _mm512_setzero_ps();
+                // group b's 32 x g int32 sums in c (g 1: side by side) into acc
+                auto scale_group = [&](int64_t b) {
+                    const float* v = &dcs[(grp * ng + b) * 48];  // d, c, sum x by row of x
+                    const float* sb = &sz[b];  // weight row r's scale sb[r ng], its zero sb[(32 + r) ng]
+                    if (g == 1) {
+                        for (int h = 0; h < 2; h++) {
+                            const __m512 s = _mm512_i32gather_ps(by_row, sb + 16 * h * ng, 4);
+                            const __m512 z = _mm512_i32gather_ps(by_row, sb + (32 + 16 * h) * ng, 4);
+                            const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(v[0]));
+                            acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), sd, acc[h]);
+                            acc[h] = _mm512_fmadd_ps(z, _mm512_set1_ps(v[32]), acc[h]);
+                            acc[h] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(-8.f)), _mm512_set1_ps(v[16]), acc[h]);
+                        }
+                        return;
+                    }
+                    const __m512 d = _mm512_load_ps(v), cx = _mm512_load_ps(v + 16), sx = _mm512_load_ps(v + 32);
+                    for (int r = 0; r < 32; r++) {
+                        const __m512 s = _mm512_set1_ps(sb[r * ng]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), _mm512_mul_ps(s, d), acc[r]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sb[(32 + r) * ng]), sx, acc[r]);
+                        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(-8.f)), cx, acc[r]);
+                    }
+                };
+                // two groups a step, in C tiles 0, 1 and 5, 6: the second's products run while the first's sums
+                // are stored and scaled
+                const int64_t st = g == 1 ? 4 : 64, c1 = g == 1 ? 16 : 256;
+                for (int64_t b = 0; b < ng; b += 2) {
+                    const bool two = b + 1 < ng;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t k = b * G; k < (b + 1) * G; k += 64) {
+                        _tile_loadd(4, xg + k / 4 * g, 4 * g);
+                        _tile_loadd(2, &u[k], K);
+                        _tile_dpbusd(0, 2, 4);
+                        _tile_loadd(3, &u[16 * K + k], K);
+                        _tile_dpbusd(1, 3, 4);
+                    }
+                    if (two) {
+                        _tile_zero(5);
+                        _tile_zero(6);
+                        for (int64_t k = (b + 1) * G; k < (b + 2) * G; k += 64) {
+                            _tile_loadd(7, xg + k / 4 * g, 4 * g);
+                            _tile_loadd(2, &u[k], K);
+                            _tile_dpbusd(5, 2, 7);
+                            _tile_loadd(3, &u[16 * K + k], K);
+                            _tile_dpbusd(6, 3, 7);
+                        }
+                    }
+                    _tile_stored(0, c, st);
+                    _tile_stored(1, c + c1, st);
+                    scale_group(b);
+                    if (two) {
+                        _tile_stored(5, c, st);
+                        _tile_stored(6, c + c1, st);
+                        scale_group(b + 1);
+                    }
+                }
+                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
+                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
+                    if (g == 1) {
+                        put16(y, n0 + 16 * h, acc[h], n, f32);
+                        continue;
+                    }
+                    __m512 r[16];
+                    for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[16 * h + i]);
+                    transpose16(o, r);
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++) put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
+                }
+            }
+        }
+    });
+}
+#endif
+
 // y[M, N] = x[M, K] @ w^T, w given as packed q [N, K / 2], scales and zeros [N, K / G] (bf16); K a multiple of 64
 void fast_decode::gemv_int4(const uint16_t* x, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     std::vector<XQ>& xq = xq_;
     xq.resize(M);
+#ifdef __AMX_INT8__
+    if (G >= 64) {  // every row count on the tiles (a group of 32 is half a tile's row: the kernels below)
+        #pragma omp parallel for schedule(static) if (M > 1)
+        for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, 64, xq[m]);
+        return gemv_int4_amx(xq, w, scales, zeros, y, M, N, K, G, f32);
+    }
+#endif
     const bool wide = WIDE && M <= VERIFY_ROWS;
     #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++) prepare(x + m * K, K, G, wide ? 128 : 64, xq[m]);
