@@ -437,6 +437,12 @@ class GemvInt8(nn.Module):
         return y.to(torch.float32 if self.f32 else x.dtype)
 
 
+def int4_rows_alone(m: nn.Module) -> bool:
+    """Whether an int4 layer's kernel computes each row as it would alone for any number of rows: on AMX's tiles
+    (groups of 64 or more); elsewhere for up to 32 rows, more going to a GEMM's tiles."""
+    return kernels.endswith("+amx") and "amx_int8" in cpu_flags() and 2 * m.weight.size(1) // m.scales.size(1) >= 64
+
+
 class GemvInt4(nn.Module):
     """quantize.py's int4 layer in its stored layout (weight uint8 [N, K'/2], scales and zeros bf16 [N, K'/G]):
     few rows through the kernel; more through it too where that measured faster (kernel_prefill), else by

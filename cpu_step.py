@@ -45,8 +45,9 @@ class Step:
         self.model, self.cpp = model, cpp
         self.logits, self.many = torch.empty(1, model.args.vocab_size), torch.empty(0, model.args.vocab_size)
         # positions of a prompt a pass: the bf16 and int8 products compute each row as alone for any number of rows,
-        # the int4 one for up to 32 (more go to a GEMM's tiles)
-        self.piece = 32 if any(type(m) is cpu_gemv.GemvInt4 for m in model.modules()) else 128
+        # the int4 one off AMX's tiles for up to 32 (more go to a GEMM's tiles)
+        int4 = [m for m in model.modules() if type(m) is cpu_gemv.GemvInt4]
+        self.piece = 128 if all(map(cpu_gemv.int4_rows_alone, int4)) else 32
 
     def check(self, token: int, pos: int, n: int = 1):
         if not (0 <= token < self.logits.size(1) and 0 <= pos and pos + n <= self.model.max_seq_length):

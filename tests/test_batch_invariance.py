@@ -3,6 +3,7 @@ verify pass over several positions computes, bit for bit, what decoding them one
 node what decoding its path computes. That is what makes speculative decoding's greedy output equal plain
 decoding's in bfloat16, on every instruction set this CPU runs."""
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,6 +97,26 @@ def test_an_int4_weight_product_of_up_to_32_rows_computes_each_row_as_it_would_a
     alone = torch.cat([torch.ops.fast_decode.gemv_int4(x[m : m + 1], w, scales, zeros, f32) for m in range(32)])
     for M in (2, 3, 5, 7, 8, 16, 17, 32):  # tiles of 4 rows of x, then 2, then 1
         assert torch.equal(torch.ops.fast_decode.gemv_int4(x[:M], w, scales, zeros, f32), alone[:M]), M
+
+
+AMX = [t for t in TARGETS if t.endswith("+amx")]
+
+
+@pytest.mark.skipif(not AMX or "amx_int8" not in cpu_gemv.cpu_flags(), reason="this CPU has no AMX int8 tiles")
+@pytest.mark.parametrize("K, G", [(576, 64), (640, 128), (1536, 256)])
+@torch.inference_mode()
+def test_on_amx_an_int4_product_of_a_prompts_rows_computes_each_row_as_it_would_alone(K, G):
+    assert cpu_gemv.load(AMX[0]) == AMX[0]
+    torch.manual_seed(K + G)
+    q, scales, zeros = quantize.quantize_int4(torch.randn(45, K), G)  # 45 rows: a last block of 32 cut short
+    w, x = quantize.pack_nibbles(q), torch.randn(130, K).bfloat16()
+    alone = torch.cat([torch.ops.fast_decode.gemv_int4(x[m : m + 1], w, scales, zeros, False) for m in range(130)])
+    layer = cpu_gemv.GemvInt4(SimpleNamespace(in_features=K, out_features=45, weight=w, scales=scales, zeros=zeros),
+                              torch.bfloat16)
+    assert cpu_gemv.int4_rows_alone(layer)  # so a prompt goes through the step 128 positions a pass
+    for M in (33, 64, 127, 130):  # past the 32 rows the other kernel sets compute alone
+        assert torch.equal(torch.ops.fast_decode.gemv_int4(x[:M], w, scales, zeros, False), alone[:M]), M
+    cpu_gemv.load()
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
