@@ -156,7 +156,8 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
                     if (g == 1) r[0] = _mm512_load_ps(o + 16 * h);
                     else transpose16(o + 256 * h, r);
                     const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++) put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
+                        put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
                 }
             };
             for (int64_t grp = 0; grp < groups;) {

@@ -530,11 +530,13 @@ static TileConfig int8_tiles(int64_t g) {
 static inline void sums_into(__m512* acc, const int32_t* c, int64_t g, const float* d) {
     if (g == 1) {
         const __m512 db = _mm512_set1_ps(d[0]);
-        for (int h = 0; h < 2; h++) acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), db, acc[h]);
+        for (int h = 0; h < 2; h++)
+            acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), db, acc[h]);
         return;
     }
     const __m512 db = _mm512_load_ps(d);
-    for (int r = 0; r < 32; r++) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
+    for (int r = 0; r < 32; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
 }
 
 // The output head's int8 product (f32) with AMX: each block of 32 weight rows made bf16 (exactly, bf16_of_i8) in
@@ -987,14 +989,16 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
                             const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(v[0]));
                             acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), sd, acc[h]);
                             acc[h] = _mm512_fmadd_ps(z, _mm512_set1_ps(v[32]), acc[h]);
-                            acc[h] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(-8.f)), _mm512_set1_ps(v[16]), acc[h]);
+                            const __m512 s8 = _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
+                            acc[h] = _mm512_fmadd_ps(s8, _mm512_set1_ps(v[16]), acc[h]);
                         }
                         return;
                     }
                     const __m512 d = _mm512_load_ps(v), cx = _mm512_load_ps(v + 16), sx = _mm512_load_ps(v + 32);
                     for (int r = 0; r < 32; r++) {
                         const __m512 s = _mm512_set1_ps(sb[r * ng]);
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), _mm512_mul_ps(s, d), acc[r]);
+                        const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
+                        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(s, d), acc[r]);
                         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sb[(32 + r) * ng]), sx, acc[r]);
                         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(-8.f)), cx, acc[r]);
                     }
@@ -1042,7 +1046,8 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
                     __m512 r[16];
                     for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[16 * h + i]);
                     transpose16(o, r);
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++) put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
+                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
+                        put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
                 }
             }
         }
