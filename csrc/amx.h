@@ -58,13 +58,41 @@ static inline void put16(void* y, int64_t i, __m512 v, int64_t n, int64_t f32) {
     if (n > 8) put8(y, i + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), n - 8, f32);
 }
 
-// The bf16 tiles (tdpbf16ps), which the bf16 product and the int8 output head share.
-// g rows of x a B tile (and a C tile)
-static TileConfig tiles_for(int64_t g) {
+// Tiles for g rows of x: 16 rows of 4 g bytes each (C: g fp32 or int32 sums; B: g bf16 pairs or int8 quads), but
+// tiles a and a + 1 (A: 16 weight rows), a_bytes a row
+static TileConfig tiles(int64_t g, int a, int a_bytes) {
     TileConfig c = {};
     c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 4 * g;  // C and B: g fp32, or g bf16 pairs, a row
-    c.colsb[2] = c.colsb[3] = 64, c.colsb[5] = c.colsb[6] = 32, c.rows[7] = 8;  // A: 32 (or 16) bf16 a row
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = t == a || t == a + 1 ? a_bytes : 4 * g;
+    return c;
+}
+
+// 16 bf16 at p (past n: zeros) -> fp32
+static inline __m512 widen16(const uint16_t* p, int64_t n) {
+    const __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+// A block's sums into y: o [2][16][16] (weight row by row of x) or, for one row of x (g 1), [32]; weight rows
+// n0 .. n0 + rows of x's rows m0 .. m0 + g (those below M), each times its weight row's scale where scales is given
+static inline void put_block(void* y, const float* o, int64_t g, int64_t m0, int64_t M, int64_t N, int64_t n0,
+                             int64_t rows, const uint16_t* scales, int64_t f32) {
+    for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
+        const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
+        const __m512 sc = scales ? widen16(scales + n0 + 16 * h, n) : _mm512_set1_ps(1.f);  // (times 1: exact)
+        __m512 r[16];
+        if (g == 1) r[0] = _mm512_load_ps(o + 16 * h);
+        else transpose16(o + 256 * h, r);
+        for (int64_t j = 0; j < g && m0 + j < M; j++)
+            put16(y, (m0 + j) * N + n0 + 16 * h, _mm512_mul_ps(r[j], sc), n, f32);
+    }
+}
+
+// The bf16 tiles (tdpbf16ps), which the bf16 product and the int8 output head share. Tiles: 0 and 1 C (two groups of
+// 16 weight rows), 2 and 3 their A, 4 B; 5, 6 and 7 the same for a last 16 of K.
+static TileConfig tiles_for(int64_t g) {
+    TileConfig c = tiles(g, 2, 64);
+    c.colsb[5] = c.colsb[6] = 32, c.rows[7] = 8;  // A of a last 16 of K: 16 bf16 a row; its B: 8 pairs
     return c;
 }
 

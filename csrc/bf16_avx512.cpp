@@ -97,15 +97,10 @@ static inline float dot1(const uint16_t* x, const uint16_t* w, int64_t K) {
 // a row apart), so nothing is repacked; x, small, is packed once a call as B: per step of 32 along K, 16 pairs by
 // up to 16 rows of x. C is then weight row by row of x, written out transposed. Each sum is one chain of tdpbf16ps
 // over K, whatever the rows beside it: the same bits for a row alone (batch 1) as in a batch or a prompt.
-// Tiles: 0 and 1 C (two groups of 16 weight rows), 2 and 3 their A, 4 B; 5, 6 and 7 the same for a last 16 of K.
+
 // two groups of rows of x a pass (K a multiple of 32): tiles 0-3 C, 4 and 5 A (the two 16 weight rows), 6 and 7 B
 // (the two groups), so that 4 tile loads serve 4 tdpbf16ps instead of 3 serving 2
-static TileConfig pair_tiles(int64_t g) {
-    TileConfig c = {};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = t == 4 || t == 5 ? 64 : 4 * g;
-    return c;
-}
+static TileConfig pair_tiles(int64_t g) { return tiles(g, 4, 64); }
 
 // tile32 for two groups of x (xa, xb) at once under pair_tiles: out [4][16][16], the first group's two then the
 // second's. Each sum is the same chain as tile32's.
@@ -150,16 +145,7 @@ static void gemv_amx(const uint16_t* x, const uint16_t* w, void* y, int64_t M, i
                 memcpy(pad.data(), w0, 2 * rows * K);
                 w0 = pad.data();
             }
-            auto emit = [&](int64_t grp, const float* o) {  // o [2][16][16] (or [32] for one row) -> y
-                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
-                    __m512 r[16];
-                    if (g == 1) r[0] = _mm512_load_ps(o + 16 * h);
-                    else transpose16(o + 256 * h, r);
-                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
-                        put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
-                }
-            };
+            auto emit = [&](int64_t grp, const float* o) { put_block(y, o, g, grp * g, M, N, n0, rows, nullptr, f32); };
             for (int64_t grp = 0; grp < groups;) {
                 const uint32_t* xg = &xb[grp * steps * 16 * g];
                 if (!pairs) {

@@ -519,11 +519,20 @@ static void head_i8_bf16(const uint16_t* x, const int8_t* w, const uint16_t* sca
 // rows share the call, so batch 1 computes what a batch or a prompt does. Tiles: 0 and 1 C (16 weight rows each),
 // 2 and 3 their A, 4 B; 5, 6 and 7 the C and B of a second block.
 static TileConfig int8_tiles(int64_t g) {
-    TileConfig c = {};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 4 * g;  // C: g int32 a row
-    c.colsb[2] = c.colsb[3] = 32, c.rows[4] = c.rows[7] = 8;  // A: 32 int8 a row; B: per quad of a block, g rows
+    TileConfig c = tiles(g, 2, 32);  // A: a block of 32 int8 a row
+    c.rows[4] = c.rows[7] = 8;  // B: the block's 8 quads
     return c;
+}
+
+// x's rows rounded to int8 as B tiles: per group of g rows (the last padded with zeros), per quad of K, the group's
+// rows' quads
+static void pack_quads(const std::vector<XQ>& xq, int64_t M, int64_t K, int64_t g, vec<uint32_t>& xb) {
+    xb.assign((M + g - 1) / g * (K / 4) * g, 0);
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t* q = (const uint32_t*)xq[m].q.data();
+        uint32_t* to = &xb[m / g * (K / 4) * g + m % g];
+        for (int64_t p = 0; p < K / 4; p++) to[p * g] = q[p];
+    }
 }
 
 // a block's 32 x g int32 sums c (as gemv_int8_amx stores them) converted and added times x's scales d into acc
@@ -561,16 +570,7 @@ static void head_i8_amx(const uint16_t* x, const int8_t* w, const uint16_t* scal
                                                                  : _mm512_setzero_si512());
             for (int64_t grp = 0; grp < groups; grp++) {
                 tile32(wb.data(), wb.data() + 16 * K, &xb[grp * steps * 16 * g], g, K, &out[0][0][0]);
-                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
-                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                        _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), scales + n0 + 16 * h)), 16));
-                    __m512 r[16];
-                    if (g == 1) r[0] = _mm512_load_ps(&out[0][0][16 * h]);
-                    else transpose16(&out[h][0][0], r);
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
-                        put16(y, (grp * g + j) * N + n0 + 16 * h, _mm512_mul_ps(r[j], sc), n, 1);
-                }
+                put_block(y, &out[0][0][0], g, grp * g, M, N, n0, rows, scales, 1);
             }
         }
     });
@@ -583,16 +583,13 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
     static thread_local vec<float> d_;
     vec<uint32_t>& xb = xb_;  // per group of g rows, block, quad: the group's rows' quads (zeros past M)
     vec<float>& d = d_;  // per group, block: its rows' scales in 16 lanes (zeros past the group)
-    xb.assign(groups * nb * 8 * g, 0), d.assign(groups * nb * 16, 0.f);
-    for (int64_t m = 0; m < M; m++) {
-        const uint32_t* q = (const uint32_t*)xq[m].q.data();
-        uint32_t* to = &xb[m / g * nb * 8 * g + m % g];
-        for (int64_t p = 0; p < K / 4; p++) to[p * g] = q[p];
+    pack_quads(xq, M, K, g, xb);
+    d.assign(groups * nb * 16, 0.f);
+    for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) d[(m / g * nb + b) * 16 + m % g] = xq[m].d[b];
-    }
     share_tiles((N + 31) / 32, 32 * K, int8_tiles(g), [&](int64_t a, int64_t e) {
         alignas(64) int32_t c[32 * 16] = {};
-        alignas(64) float o[16 * 16];
+        alignas(64) float o[32 * 16];
         static thread_local vec<int8_t> pad_;  // the last rows past N, as zeros
         for (int64_t blk = a; blk < e; blk++) {
             const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
@@ -638,20 +635,8 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
                         sums_into(acc, c, g, dg + 16 * (b + 1));
                     }
                 }
-                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {  // 16 weight rows: their scales, then y
-                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                    const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                        _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), scales + n0 + 16 * h)), 16));
-                    if (g == 1) {
-                        put16(y, n0 + 16 * h, _mm512_mul_ps(acc[h], sc), n, f32);
-                        continue;
-                    }
-                    __m512 r[16];
-                    for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[16 * h + i]);
-                    transpose16(o, r);  // r[j]: row j of x's sums with the 16 weight rows
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
-                        put16(y, (grp * g + j) * N + n0 + 16 * h, _mm512_mul_ps(r[j], sc), n, f32);
-                }
+                for (int r = 0; r < (g == 1 ? 2 : 32); r++) _mm512_store_ps(o + 16 * r, acc[r]);
+                put_block(y, o, g, grp * g, M, N, n0, rows, scales, f32);
             }
         }
     });
@@ -902,12 +887,7 @@ static void gemm_i4(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t*
 // per output: acc += sum x (s d), acc += z x sum x, acc += -8 s x c (sum (q - 8) x ~ d sum q xq - 8 c). The same
 // operations in the same order for a row of x whatever rows share the call. Tiles: 0, 1 C; 2, 3 A; 4 B; 5, 6, 7
 // the C and B of a second group.
-static TileConfig int4_tiles(int64_t g) {
-    TileConfig c = {};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = t == 2 || t == 3 ? 64 : 4 * g;
-    return c;
-}
+static TileConfig int4_tiles(int64_t g) { return tiles(g, 2, 64); }
 
 // rows [32][K / 2] of packed q -> u [32][K] unpacked in x's order by 64 (low nibbles, then high ones)
 static inline void unpack32(const uint8_t* w, int64_t rows, int64_t K, uint8_t* u) {
@@ -934,10 +914,6 @@ static inline void unpack32(const uint8_t* w, int64_t rows, int64_t K, uint8_t* 
     }
 }
 
-static inline __m512 widen16(__m256i b) {  // 16 bf16 -> fp32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uint16_t* scales, const uint16_t* zeros,
                           void* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t f32) {
     const int64_t groups = (M + 15) / 16, g = (M + groups - 1) / groups, ng = K / G;  // g <= 16 rows of x each
@@ -945,16 +921,13 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
     static thread_local vec<float> dcs_;
     vec<uint32_t>& xb = xb_;  // per group of g rows, quad of K: the rows' quads (zeros past M)
     vec<float>& dcs = dcs_;  // per group of rows, group of K: d, c and sum x of its rows, 16 lanes each
-    xb.assign(groups * (K / 4) * g, 0), dcs.assign(groups * ng * 48, 0.f);
-    for (int64_t m = 0; m < M; m++) {
-        const uint32_t* q = (const uint32_t*)xq[m].q.data();
-        uint32_t* to = &xb[m / g * (K / 4) * g + m % g];
-        for (int64_t p = 0; p < K / 4; p++) to[p * g] = q[p];
+    pack_quads(xq, M, K, g, xb);
+    dcs.assign(groups * ng * 48, 0.f);
+    for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < ng; b++) {
             float* at = &dcs[(m / g * ng + b) * 48 + m % g];
             at[0] = xq[m].d[b], at[16] = xq[m].c[b], at[32] = xq[m].sum[b];
         }
-    }
     share_tiles((N + 31) / 32, 16 * K, int4_tiles(g), [&](int64_t a, int64_t e) {
         static thread_local vec<uint8_t> u_;
         static thread_local vec<float> sz_;
@@ -964,15 +937,14 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
         const __m512i by_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
                                                                     15), _mm512_set1_epi32((int)ng));
         alignas(64) int32_t c[32 * 16] = {};
-        alignas(64) float o[16 * 16];
+        alignas(64) float o[32 * 16];
         for (int64_t blk = a; blk < e; blk++) {
             const int64_t n0 = 32 * blk, rows = N - n0 < 32 ? N - n0 : 32;
             unpack32(w + n0 * (K / 2), rows, K, u.data());
             for (int64_t i = 0; i < 32 * ng; i += 16) {  // rows past N: zeros
                 const int64_t n = rows * ng - i < 16 ? (rows * ng - i > 0 ? rows * ng - i : 0) : 16;
-                const __mmask16 live = (__mmask16)((1u << n) - 1);
-                _mm512_storeu_ps(&sz[i], widen16(_mm256_maskz_loadu_epi16(live, scales + n0 * ng + i)));
-                _mm512_storeu_ps(&sz[32 * ng + i], widen16(_mm256_maskz_loadu_epi16(live, zeros + n0 * ng + i)));
+                _mm512_storeu_ps(&sz[i], widen16(scales + n0 * ng + i, n));
+                _mm512_storeu_ps(&sz[32 * ng + i], widen16(zeros + n0 * ng + i, n));
             }
             for (int64_t grp = 0; grp < groups; grp++) {
                 const uint32_t* xg = &xb[grp * (K / 4) * g];
@@ -1037,18 +1009,8 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
                         scale_group(b + 1);
                     }
                 }
-                for (int64_t h = 0; h < 2 && 16 * h < rows; h++) {
-                    const int64_t n = rows - 16 * h < 16 ? rows - 16 * h : 16;
-                    if (g == 1) {
-                        put16(y, n0 + 16 * h, acc[h], n, f32);
-                        continue;
-                    }
-                    __m512 r[16];
-                    for (int i = 0; i < 16; i++) _mm512_store_ps(o + 16 * i, acc[16 * h + i]);
-                    transpose16(o, r);
-                    for (int64_t j = 0; j < g && grp * g + j < M; j++)
-                        put16(y, (grp * g + j) * N + n0 + 16 * h, r[j], n, f32);
-                }
+                for (int r = 0; r < (g == 1 ? 2 : 32); r++) _mm512_store_ps(o + 16 * r, acc[r]);
+                put_block(y, o, g, grp * g, M, N, n0, rows, nullptr, f32);
             }
         }
     });
