@@ -159,9 +159,10 @@ def causal(M: int, base: int) -> Tensor:  # -> [M, base + M]: M positions after 
 
 class Paged:
     """The engine's forward passes over its paged KV pool (paged.py), on the fastest exact implementation here,
-    chosen once: on the CPU kernels the C++ step over the pool (a decode step's rows, and prompts in its pieces, in
-    one call each); on a GPU with the paged attention, decode steps as CUDA graphs (cuda_step.py); else model.py's
-    forward through the pool's views, attending straight over the pool where a kernel can (a few query rows)."""
+    chosen once: on the CPU kernels the C++ step over the pool (a step's decoding rows and prompt chunks in one call,
+    every weight read once for all of them); on a GPU with the paged attention, decode steps as CUDA graphs
+    (cuda_step.py); else model.py's forward through the pool's views, attending straight over the pool where a
+    kernel can (a few query rows)."""
 
     def __init__(self, model, pool, kv_dtype, max_rows: int):
         from paged import PagedCache
@@ -179,35 +180,82 @@ class Paged:
         return ("CUDA graphs of the decode step" if self.graphs is not None else "the C++ step over the pool"
                 if self.cpp is not None else "model.py's forward over the pool")
 
+    def step(self, parts: list[tuple[list[int], int, list[int], bool]]) -> tuple[Tensor, list[Optional[Tensor]]]:
+        """A step's forward passes: each part (tokens, start, blocks, every) adds its tokens from position start,
+        writing their K and V into its blocks. Returns the logits after each part's last token [P, V], and for the
+        parts with every those after each of its tokens [n, V] (else None). On the C++ step, in passes of
+        Step.piece rows at most (a part cut where a pass is full goes on in the next, in order), each row computed
+        as alone however the step is made up; its buffers are rewritten by the next step."""
+        if self.cpp is None:
+            return self.each(parts)
+        P, V = len(parts), self.logits.size(1)
+        spans, rows = [], P  # the rows of the parts with every: after the P last ones
+        for tokens, _, _, every in parts:
+            spans.append(rows if every else -1)
+            rows += len(tokens) if every else 0
+        if self.logits.size(0) < rows:
+            self.logits = torch.empty(rows, V)
+        batch, taken = [], 0  # one pass: (part, its first token here, count)
+        for i, (tokens, start, blocks, every) in enumerate(parts):
+            done = 0
+            while done < len(tokens):
+                n = min(len(tokens) - done, self.cpp.piece - taken)
+                batch.append((i, done, n))
+                taken, done = taken + n, done + n
+                if taken == self.cpp.piece:
+                    self.run(parts, batch, spans)
+                    batch, taken = [], 0
+        if batch:
+            self.run(parts, batch, spans)
+        last = self.logits[:P]
+        return last, [self.logits[k : k + len(parts[i][0])] if k >= 0 else None for i, k in enumerate(spans)]
+
+    def run(self, parts, batch: list[tuple[int, int, int]], spans: list[int]):
+        """One C++ pass over batch's pieces of parts, each (part, first token, count): the logits of each part's
+        last token to its row of self.logits, and of every token of a part with every to its span's row."""
+        tokens, pos, lens, tables, out, dst = [], [], [], [], [], []
+        at = 0
+        for i, first, n in batch:
+            chunk, start, blocks, every = parts[i]
+            tokens += chunk[first : first + n]
+            pos += range(start + first, start + first + n)
+            lens.append(n)
+            tables.append(blocks)
+            if first + n == len(chunk):
+                out.append(at + n - 1), dst.append(i)
+            if every:
+                out += range(at, at + n)
+                dst += range(spans[i] + first, spans[i] + first + n)
+            at += n
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, W]
+        whole = dst == list(range(len(dst)))  # (a step in one pass: its logits land in place)
+        logits = self.logits if whole else torch.empty(len(out), self.logits.size(1))
+        ids = [torch.tensor(v, dtype=torch.int64) for v in (tokens, pos, lens, out)]
+        self.cpp.cpp.paged(*ids[:3], table, ids[3], logits)
+        if not whole:
+            self.logits[dst] = logits
+
+    def each(self, parts) -> tuple[Tensor, list[Optional[Tensor]]]:
+        """step's logits on CUDA graphs or model.py's forward: the one-token parts decoded together, each chunk
+        through model.py's forward on its own."""
+        ones = [i for i, (tokens, _, _, every) in enumerate(parts) if len(tokens) == 1 and not every]
+        last, every = [None] * len(parts), [None] * len(parts)
+        if ones:
+            rows = self.decode([parts[i][0][0] for i in ones], [parts[i][1] for i in ones], [parts[i][2] for i in ones])
+            for k, i in enumerate(ones):
+                last[i] = rows[k : k + 1]
+        for i, (chunk, start, blocks, all_rows) in enumerate(parts):
+            if last[i] is None:
+                out = self.forward([chunk], [start], [blocks], last=not all_rows)[0]  # [S or 1, V]
+                last[i], every[i] = out[-1:], out if all_rows else None
+        return torch.cat(last), every
+
     def decode(self, tokens: list[int], pos: list[int], tables: list[list[int]]) -> Tensor:  # -> [B, V]
         """The next logits of rows that each add one token at position pos[i], reading the blocks tables[i]."""
         if self.graphs is not None:
             return self.graphs.decode(tokens, pos, tables)
-        if self.cpp is None:
-            return self.forward([[t] for t in tokens], pos, tables, last=False)[:, -1]
-        width = max(map(len, tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # [B, W]
-        self.cpp.cpp.paged(torch.tensor(tokens)[:, None], torch.tensor(pos)[:, None], table, self.logits)
-        return self.logits[: len(tokens)]
-
-    def prefill(self, chunk: list[int], start: int, blocks: list[int], every: bool = False) -> Tensor:
-        """The logits [1, V] after a chunk of a prompt from position start, whose K and V it writes, or with every
-        those after each of its tokens [len(chunk), V]: in C++ pieces (Step.piece tokens, each token then computed
-        as alone, however the prompt is cut), else model.py's."""
-        if self.cpp is None:
-            out = self.forward([chunk], [start], [blocks], last=not every)[0]  # [S or 1, V]
-            return out if every else out[-1:]
-        if every:  # each token a row of its own over the same blocks: a layer writes every row's K and V first
-            n, table = len(chunk), torch.tensor([blocks] * len(chunk))  # [n, W]
-            logits = torch.empty(n, self.logits.size(1))
-            self.cpp.cpp.paged(torch.tensor(chunk)[:, None], torch.arange(start, start + n)[:, None], table, logits)
-            return logits
-        table, logits = torch.tensor([blocks]), torch.empty(1, self.logits.size(1))  # [1, W], [1, V]
-        for i in range(0, len(chunk), self.cpp.piece):
-            piece = chunk[i : i + self.cpp.piece]
-            self.cpp.cpp.paged(torch.tensor([piece]), torch.arange(start + i, start + i + len(piece))[None], table,
-                               logits)
-        return logits
+        return self.forward([[t] for t in tokens], pos, tables, last=False)[:, -1]
 
     def forward(self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], last: bool) -> Tensor:
         """model.py's forward over rows that each add their chunk (equal lengths) from position starts[i]."""

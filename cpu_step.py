@@ -47,7 +47,7 @@ class Step:
         # positions of a prompt a pass: the bf16 and int8 products compute each row as alone for any number of rows,
         # the int4 one off AMX's tiles for up to 32 (more go to a GEMM's tiles)
         int4 = [m for m in model.modules() if type(m) is cpu_gemv.GemvInt4]
-        self.piece = 128 if all(map(cpu_gemv.int4_rows_alone, int4)) else 32
+        self.piece = 512 if all(map(cpu_gemv.int4_rows_alone, int4)) else 32
 
     def check(self, token: int, pos: int, n: int = 1):
         if not (0 <= token < self.logits.size(1) and 0 <= pos and pos + n <= self.model.max_seq_length):

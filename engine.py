@@ -82,7 +82,8 @@ class Engine:
         self.computing: dict = {}  # hash of a full prompt block -> the admitted request that is computing it
         self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefilled=0, generated=0, preempted=0,
                           waited=0, peak_blocks=0, decode_s=0.0, prefill_s=0.0)  # prefilled: tokens computed in
-        # chunks; waited: decoding rows that waited a step for a block
+        # chunks; waited: decoding rows that waited a step for a block; prefill_s: the steps with prompt tokens (the
+        # decoding rows in them as well: one pass), decode_s the others
 
     # ---- requests ------------------------------------------------------------------------------------------------
 
@@ -259,30 +260,25 @@ class Engine:
         if not work:
             return []
         self.stats["steps"] += 1
-        decode = [r for r, n in work if n == 1 and self.decoding(r)]
-        chunks = [(r, n) for r, n in work if not (n == 1 and self.decoding(r))]
-        parts, t0 = [], time.perf_counter()  # the logits [N, V] of the rows that get a token, in `due`'s order
-        if decode:
-            parts.append(self.decode(decode))  # [B, V]
-        t1 = time.perf_counter()
-        due = list(decode)
-        for r, n in chunks:
-            scoring = r.scoring
-            out = self.prefill(r, r.tokens[r.computed : r.computed + n], scoring)  # [n or 1, V]
-            if scoring:
-                self.score(r, out)
-            if r.computed + n == len(r.tokens):  # its whole text is in the cache: a token is due
-                due.append(r)
-                parts.append(out[-1:])
-        t2 = time.perf_counter()  # (the forward passes queue work on a GPU: there the split is rough)
-        self.stats["decode_s"] += t1 - t0
-        self.stats["prefill_s"] += t2 - t1
-        self.stats["prefilled"] += sum(n for _, n in chunks)
+        t0 = time.perf_counter()
+        last, scored = self.passes.step([(r.tokens[r.computed : r.computed + n], r.computed, r.blocks, r.scoring)
+                                         for r, n in work])  # [P, V]: the logits after each part
+        due = []  # the rows that get a token: their whole text is in the cache
+        for i, (r, n) in enumerate(work):
+            if scored[i] is not None:
+                self.score(r, scored[i])
+            if r.computed + n == len(r.tokens):
+                due.append(i)
+        # (the passes queue work on a GPU: there the time is rough) a step with prompt tokens counts as prefill
+        prefilled = sum(n for r, n in work if not (n == 1 and self.decoding(r)))
+        self.stats["prefill_s" if prefilled else "decode_s"] += time.perf_counter() - t0
+        self.stats["prefilled"] += prefilled
         for r, n in work:
             r.computed += n
             self.register(r)
+        rows = last if len(due) == len(work) else last[due]  # [N, V]
+        due = [work[i][0] for i in due]
         if due:  # every row's check and pick together (sampling.pick), its grammar's mask applied first
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, V]
             masks, ok = [self.allowed(r, rows.size(-1)) for r in due], None  # [V] bool, or None without a grammar
             if any(m is not None for m in masks):
                 every = torch.ones(rows.size(-1), dtype=torch.bool, device=rows.device)
@@ -320,12 +316,6 @@ class Engine:
         bits = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
         r.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), 4 * bits.size(1))
         return guided.allowed_tokens(bits.to(self.model.norm.weight.device), vocab)[0]
-
-    def decode(self, rows: list[Request]):  # -> [B, V]: the next token's logits of rows adding their last one
-        return self.passes.decode([r.tokens[-1] for r in rows], [r.computed for r in rows], [r.blocks for r in rows])
-
-    def prefill(self, r: Request, chunk: list[int], every: bool = False):  # -> [1, V], or [len(chunk), V] (every)
-        return self.passes.prefill(chunk, r.computed, r.blocks, every)  # the logits after a chunk of r's prompt
 
     def register(self, r: Request):  # its blocks filled this step, now shareable by content
         size, tokens = self.pool.block_size, r.tokens

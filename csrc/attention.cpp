@@ -724,21 +724,27 @@ static void gathered_row(const uint16_t* q, const uint16_t* k, const uint16_t* v
 // a pass of its own over each block's scores. HOW_IT_WORKS.md, "Attention for a few query rows".
 template <int D>
 static void attend_chunk_bf16(const uint16_t* q, float scale, const Rows& k, const Rows& v,
-                              const uint8_t* mask, int64_t S, int64_t L, int64_t G, int64_t j0, int64_t j1,
-                              float* part) {
+                              const uint8_t* mask, int64_t S, int64_t L, int64_t G, int64_t R, int64_t j0,
+                              int64_t j1, float* part, bool prefix) {  // prefix: every mask row is one (paged)
     constexpr int64_t BJ = 4096 / D;  // positions per block: 8 KB of K and of V
     static thread_local vec<uint16_t> pb;  // [tiles][P][BJ] a block's weights, a tile of P rows at a time
     static thread_local vec<uint32_t> qv;  // [tiles][4 D] q's pairs as weights_bf16 reads them
     static thread_local vec<float> ls;  // [tiles][8] the weights summed
-    const int64_t R = G * S, P = padded(G < 8 ? G : 8), E = 16 / P, tiles = (R + P - 1) / P;  // P: see padded
-    const uint8_t* rows = mask_tree_rows<BJ>(mask, S, L, j0, j1);  // mask, or with a tree's rows cleared
+    const int64_t P = padded(G < 8 ? G : 8), E = 16 / P, tiles = (R + P - 1) / P;  // P (see padded): from G alone
+    if (prefix) tree_from_.clear();
+    const uint8_t* rows = prefix ? mask : mask_tree_rows<BJ>(mask, S, L, j0, j1);  // or with a tree's rows cleared
+    const int64_t* tree = tree_from_.empty() ? nullptr : tree_from_.data();
     int64_t lo, hi;
     span(rows, S, L, j0, j1, &lo, &hi);
     clear(part, R, D);
-    if (lo >= hi && tree_from_.empty()) return;
+    if (lo >= hi && !tree) return;
     pb.resize(tiles * P * BJ), qv.resize(tiles * 4 * D), ls.assign(tiles * 8, 0.f);
-    __m256* l = (__m256*)ls.data();
-    for (int64_t r = 0; r < R; r += P) BYP(arrange_q, D, P, R - r < P ? R - r : P, q + r * D, &qv[r / P * 4 * D])
+    // (by pointer from here: each use of a thread_local's name looks its address up)
+    uint16_t* pw = pb.data();
+    uint32_t* qp = qv.data();
+    float* sums = ls.data();
+    __m256* l = (__m256*)sums;
+    for (int64_t r = 0; r < R; r += P) BYP(arrange_q, D, P, R - r < P ? R - r : P, q + r * D, &qp[r / P * 4 * D])
     const uint8_t* m = lo < hi && sees_all(rows, S, L, lo, hi) ? nullptr : rows;
     // With 8 or more rows the softmax takes long enough for memory to go idle: the rows ask for shares of the next
     // block's K and V past KV_AHEAD as their weights come out. With fewer rows the rest of the block is short, and
@@ -751,21 +757,21 @@ static void attend_chunk_bf16(const uint16_t* q, float scale, const Rows& k, con
         const char* next[2] = {k.ahead(b + BJ, KV_AHEAD), v.ahead(b + BJ, KV_AHEAD)};
         const Rows kb = k.from(b), vb = v.from(b);
         for (int64_t r = 0; r < R; r += P)
-            BYP(weights_bf16, D, P, R - r < P ? R - r : P, &qv[r / P * 4 * D], kb, nb, scale2, m ? m + b : m,
-                r, S, L, part + r * (D + 2), l[r / P], &pb[r * BJ], r ? 0 : KV_AHEAD, next, r ? 0 : per)
+            BYP(weights_bf16, D, P, R - r < P ? R - r : P, &qp[r / P * 4 * D], kb, nb, scale2, m ? m + b : m,
+                r, S, L, part + r * (D + 2), l[r / P], &pw[r * BJ], r ? 0 : KV_AHEAD, next, r ? 0 : per)
         for (int64_t r = 0; r < R; r += P)
-            BYP(pv_bf16, D, P, R - r < P ? R - r : P, &pb[r * BJ], vb, nb, part + r * (D + 2) + 2,
+            BYP(pv_bf16, D, P, R - r < P ? R - r : P, &pw[r * BJ], vb, nb, part + r * (D + 2) + 2,
                 r ? 0 : KV_AHEAD)
     }
-    for (int64_t r = 0; r < R && !tree_from_.empty(); r++)  // a tree's nodes (a contiguous cache's): the rest
-        if (tree_from_[r % S] >= 0)
-            BYP(gathered_row, D, P, 1, q + r * D, k.p, v.p, mask + r % S * L, L, tree_from_[r % S], j1, scale2,
-                part + r * (D + 2), &ls[r / P * 8 + r % P * E / 2])
+    for (int64_t r = 0; r < R && tree; r++)  // a tree's nodes (a contiguous cache's): the rest
+        if (tree[r % S] >= 0)
+            BYP(gathered_row, D, P, 1, q + r * D, k.p, v.p, mask + r % S * L, L, tree[r % S], j1, scale2,
+                part + r * (D + 2), &sums[r / P * 8 + r % P * E / 2])
     for (int64_t r = 0; r < R; r++) {  // the merge's units: m in e's powers; a row's sum from its E / 2 lanes
         const int64_t t = r / P;
         part[r * (D + 2)] *= 0.693147181f;
         float sum = 0.f;
-        for (int64_t e = 0; e < E / 2; e++) sum += ls[t * 8 + r % P * E / 2 + e];
+        for (int64_t e = 0; e < E / 2; e++) sum += sums[t * 8 + r % P * E / 2 + e];
         part[r * (D + 2) + 1] = sum;
     }
 }
@@ -818,20 +824,26 @@ struct TaskInput {
     Rows k, v;
     const uint8_t* mask;
     int64_t L, j0, j1;
+    bool prefix = false;  // every mask row a prefix [0, x) (no token tree)
 };
 
 // attend's work, whichever way the cache is laid out: the tasks (batch row, KV head, chunk of `chunk` positions out
-// of L), each over what input(b, h, j0, j1) returns for it, then the merge, in one parallel region. Both attend and
-// attend_paged run through here, so that a row's parts, and so its bits, cannot differ between them.
+// of L, and with many query positions a group of ROWS of them of one query head), each over what input(b, h, j0, j1,
+// s0, sn) returns for it (the mask of rows s0 .. s0 + sn - 1), then the merge, in one parallel region. Both attend
+// and attend_paged run through here, so that a row's parts, and so its bits, cannot differ between them: a row's
+// sums are its own, whichever rows share its task.
+// a prompt's piece: 3 tasks a chunk (SmolLM2's KV heads) left a thread idle, and a group reads only what it sees
+constexpr int64_t ROWS = 32;
 template <typename F>
 static void attend_tasks(const uint16_t* q, uint16_t* out, int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L,
                          int64_t D, int64_t chunk, F&& input) {
     const bool fp32 = fp32_chunks(D);
-    const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, tasks = B * Hkv * chunks;
+    const int64_t G = H / Hkv, R = G * S, chunks = (L + chunk - 1) / chunk, per = (S + ROWS - 1) / ROWS;
+    const int64_t groups = S >= 2 * ROWS ? G * per : 1, tasks = B * Hkv * chunks * groups;
     // scratch kept between calls (a layer's attention runs every step), named by pointer in the parallel regions:
     // there a thread_local name would be each worker's own
     static thread_local vec<float> qf_, parts_;
-    parts_.resize(tasks * R * (D + 2));
+    parts_.resize(B * Hkv * chunks * R * (D + 2));  // a group writes its rows of its chunk's part
     const float scale = 1.f / sqrtf((float)D);
     // q in fp32, scaled, in in16's order, and 8 zero rows: padding. 16 at a time, unpacked as K is: a decode step's
     // attention at short contexts is mostly such fixed costs.
@@ -851,31 +863,35 @@ static void attend_tasks(const uint16_t* q, uint16_t* out, int64_t B, int64_t H,
     std::vector<Range>& ranges = split_ranges(tasks, nt);
     #pragma omp parallel num_threads(nt)  // one region for the tasks and the merge: a second one costs a call
     {
-        take_shared(ranges, nt, 1, [&](int64_t t, int64_t) {
-            int64_t b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
-            // the group's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s = r % S)
-            const int64_t q0 = (b * H + h * G) * S * D;
-            const TaskInput in = input(b, h, c * chunk, c * chunk + chunk < L ? c * chunk + chunk : L);
+        take_shared(ranges, nt, 1, [&](int64_t task, int64_t) {
+            const int64_t t = task / groups, b = t / (Hkv * chunks), h = t / chunks % Hkv, c = t % chunks;
+            // the KV head's query rows are consecutive in q: heads h * G .. h * G + G - 1, each S rows (row r: s =
+            // r % S); this task's are rn of them from r0, positions s0 .. s0 + Sg - 1 (all of them: Sg S, rn R)
+            const int64_t g = task % groups, s0 = groups > 1 ? g % per * ROWS : 0;
+            const int64_t Sg = groups > 1 ? (S - s0 < ROWS ? S - s0 : ROWS) : S, rn = groups > 1 ? Sg : R;
+            const int64_t r0 = groups > 1 ? g / per * S + s0 : 0, q0 = (b * H + h * G) * S * D + r0 * D;
+            const TaskInput in = input(b, h, c * chunk, c * chunk + chunk < L ? c * chunk + chunk : L, s0, Sg);
             const uint16_t *kt = in.k.p, *vt = in.v.p;  // (attend_chunk: a contiguous cache)
             const uint8_t* mt = in.mask;
             const int64_t Lt = in.L, j0 = in.j0, j1 = in.j1;
-            float* part = &parts[t * R * (D + 2)];
+            float* part = &parts[(t * R + r0) * (D + 2)];
 #ifdef __AVX512BF16__
             const uint16_t* qb = q + q0;
+            const bool pre = in.prefix;
             switch (D) {
-                case 64: attend_chunk_bf16<64>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
-                case 128: attend_chunk_bf16<128>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
-                case 256: attend_chunk_bf16<256>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
-                case 32: attend_chunk_bf16<32>(qb, scale, in.k, in.v, mt, S, Lt, G, j0, j1, part); return;
+                case 64: attend_chunk_bf16<64>(qb, scale, in.k, in.v, mt, Sg, Lt, G, rn, j0, j1, part, pre); return;
+                case 128: attend_chunk_bf16<128>(qb, scale, in.k, in.v, mt, Sg, Lt, G, rn, j0, j1, part, pre); return;
+                case 256: attend_chunk_bf16<256>(qb, scale, in.k, in.v, mt, Sg, Lt, G, rn, j0, j1, part, pre); return;
+                case 32: attend_chunk_bf16<32>(qb, scale, in.k, in.v, mt, Sg, Lt, G, rn, j0, j1, part, pre); return;
             }
 #endif
             const float* qt = qf + q0;
             switch (D) {
-                case 64: attend_chunk<64>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
-                case 128: attend_chunk<128>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
-                case 256: attend_chunk<256>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
-                case 32: attend_chunk<32>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part); break;
-                default: attend_chunk<16>(qt, kt, nullptr, vt, nullptr, mt, S, Lt, R, j0, j1, part);
+                case 64: attend_chunk<64>(qt, kt, nullptr, vt, nullptr, mt, Sg, Lt, rn, j0, j1, part); break;
+                case 128: attend_chunk<128>(qt, kt, nullptr, vt, nullptr, mt, Sg, Lt, rn, j0, j1, part); break;
+                case 256: attend_chunk<256>(qt, kt, nullptr, vt, nullptr, mt, Sg, Lt, rn, j0, j1, part); break;
+                case 32: attend_chunk<32>(qt, kt, nullptr, vt, nullptr, mt, Sg, Lt, rn, j0, j1, part); break;
+                default: attend_chunk<16>(qt, kt, nullptr, vt, nullptr, mt, Sg, Lt, rn, j0, j1, part);
             }
         });
         #pragma omp barrier
@@ -890,8 +906,9 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
                        int64_t B, int64_t H, int64_t Hkv, int64_t S, int64_t L, int64_t D, int64_t kb, int64_t kh,
                        int64_t mb) {
     const int64_t chunk = chunk_of(D, kh / D, Hkv);
-    attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1) {
-        return TaskInput{Rows{k + b * kb + h * kh, D}, Rows{v + b * kb + h * kh, D}, mask + b * mb, L, j0, j1};
+    attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t s0,
+                                                         int64_t) {
+        return TaskInput{Rows{k + b * kb + h * kh, D}, Rows{v + b * kb + h * kh, D}, mask + b * mb + s0 * L, L, j0, j1};
     });
 }
 
@@ -901,11 +918,11 @@ void fast_decode::attend(const uint16_t* q, const uint16_t* k, const uint16_t* v
 // to the merge. A chunk is whole blocks (block_size divides it). dpbf16's routine reads K and V where they lie, 16
 // positions at a time; attend_chunk (no AVX512-BF16, or D 16) reads a contiguous copy, one memcpy a block.
 static TaskInput paged_task(const uint16_t* kp, const uint16_t* vp, const int64_t* table, const int64_t* pos,
-                            int64_t Hkv, int64_t S, int64_t D, int64_t W, int64_t bs, int64_t b, int64_t h,
-                            int64_t j0, int64_t j1) {
+                            int64_t Hkv, int64_t S0, int64_t D, int64_t W, int64_t bs, int64_t b, int64_t h,
+                            int64_t j0, int64_t j1, int64_t s0, int64_t S) {  // b's queries s0 .. s0 + S - 1 of S0
     static thread_local vec<uint16_t> kc, vc;
     static thread_local vec<uint8_t> mc;
-    const int64_t* p = pos + b * S;
+    const int64_t* p = pos + b * S0 + s0;
     int64_t end = j0;  // past the furthest position a row sees, in [j0, j1]
     for (int64_t s = 0; s < S; s++) end = p[s] + 1 > end ? p[s] + 1 : end;
     const int64_t n = (end < j1 ? end : j1) - j0;
@@ -916,7 +933,7 @@ static TaskInput paged_task(const uint16_t* kp, const uint16_t* vp, const int64_
     if (!fp32_chunks(D)) {
         const int64_t stride = Hkv * bs * D;
         return TaskInput{Rows{kp + h * bs * D, D, 0, n, blocks, bs, stride},
-                         Rows{vp + h * bs * D, D, 0, n, blocks, bs, stride}, mc.data(), n, 0, n};
+                         Rows{vp + h * bs * D, D, 0, n, blocks, bs, stride}, mc.data(), n, 0, n, true};
     }
     kc.resize(n * D), vc.resize(n * D);
     for (int64_t j = 0; j < n; j += bs) {
@@ -938,8 +955,9 @@ int64_t fast_decode::attend_paged(const uint16_t* q, const uint16_t* kp, const u
     if (bs < 16 || bs % 16 || chunk % bs) return chunk;
     int64_t L = 0;  // the positions some row sees: rows with fewer have empty tasks at the end
     for (int64_t i = 0; i < B * S; i++) L = pos[i] + 1 > L ? pos[i] + 1 : L;
-    attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1) {
-        return paged_task(kp, vp, table, pos, Hkv, S, D, W, bs, b, h, j0, j1);
+    attend_tasks(q, out, B, H, Hkv, S, L, D, chunk, [&](int64_t b, int64_t h, int64_t j0, int64_t j1, int64_t s0,
+                                                         int64_t sn) {
+        return paged_task(kp, vp, table, pos, Hkv, S, D, W, bs, b, h, j0, j1, s0, sn);
     });
     return 0;
 }

@@ -81,12 +81,13 @@ void decode_step(const Model& m, int64_t token, int64_t pos, float* logits);
 void forward_rows(const Model& m, const int64_t* tokens, const int64_t* pos, int64_t M, int64_t base,
                   const uint8_t* mask, float* logits, int64_t last);
 
-// logits [B, vocab] float32 after B sequences' next S tokens each, tokens and pos [B, S], over a paged cache: layer
-// i's K and V in k_pools[i] and v_pools[i] [n_blocks, Hkv, bs, D] bf16, sequence b's blocks in row b of table [B, W];
-// each row as decode_step computes it alone over a static cache of m.slots positions (bs: as attend_paged takes it)
+// logits [R, vocab] float32 of the rows out [R] names, after B sequences' next tokens, tokens and pos [M] (sequence
+// b's lens[b] rows after the previous sequences', positions consecutive), over a paged cache: layer i's K and V in
+// k_pools[i] and v_pools[i] [n_blocks, Hkv, bs, D] bf16, sequence b's blocks in row b of table [B, W]; each row as
+// decode_step computes it alone over a static cache of m.slots positions (bs: as attend_paged takes it)
 void forward_paged(const Model& m, uint16_t* const* k_pools, uint16_t* const* v_pools, int64_t bs,
-                   const int64_t* tokens, const int64_t* pos, const int64_t* table, int64_t B, int64_t S, int64_t W,
-                   float* logits);
+                   const int64_t* tokens, const int64_t* pos, const int64_t* lens, const int64_t* table, int64_t B,
+                   int64_t W, const int64_t* out, int64_t R, float* logits);
 
 // the greedy token of logits [V]: the first index of the largest, or -1 where one is not finite
 int64_t greedy(const float* logits, int64_t V);

@@ -234,34 +234,39 @@ struct Step : torch::CustomClassHolder {
         TORCH_CHECK(bs >= 16 && bs % 16 == 0, "Step.set_pools: block_size must be a multiple of 16, got ", bs);
     }
 
-    // logits [B, vocab] float32 after tokens [B, S] int64 at positions pos [B, S] int64 (consecutive in a row), each
-    // row's blocks in its row of table [B, W] int64, over the pools (set_pools): the engine's step, each row as step
-    // computes it alone. At most 32 rows a call, or one row of up to 128 positions (a piece of a prompt): int4's
-    // products are batch-invariant up to 32 rows, the others' at any count (the caller knows which it runs).
-    void paged(const Tensor& tokens, const Tensor& pos, const Tensor& table, const Tensor& logits) {
+    // logits [R, vocab] float32 of the rows out [R] int64 names, after B sequences' next tokens: tokens and pos [M]
+    // int64, sequence b's lens[b] of them after the previous ones' at consecutive positions, its blocks in its row of
+    // table [B, W] int64, over the pools (set_pools): the engine's step in one pass, each row as step computes it
+    // alone. int4's products are batch-invariant for up to 32 rows off AMX, the others' at any count: the caller
+    // knows which it runs, and passes that many.
+    void paged(const Tensor& tokens, const Tensor& pos, const Tensor& lens, const Tensor& table, const Tensor& out,
+               const Tensor& logits) {
         TORCH_CHECK(!kp.empty() && m.window == 0, "Step.paged: no pools set, or a sliding window");
-        TORCH_CHECK(tokens.dim() == 2 && pos.sizes() == tokens.sizes() && table.dim() == 2 &&
-                    table.size(0) == tokens.size(0) && tokens.size(1) <= 128 && tokens.is_contiguous() &&
-                    pos.is_contiguous() && table.is_contiguous() && logits.is_contiguous() &&
-                    logits.size(0) >= tokens.size(0) && logits.size(1) == m.out.n &&
+        const int64_t M = tokens.numel(), B = lens.numel(), R = out.numel();
+        for (const Tensor* t : {&tokens, &pos, &lens, &table, &out})
+            TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "Step.paged: int64 contiguous tensors");
+        TORCH_CHECK(pos.numel() == M && table.dim() == 2 && table.size(0) == B && logits.is_contiguous() &&
+                    logits.dim() == 2 && logits.size(0) >= R && logits.size(1) == m.out.n &&
                     logits.scalar_type() == at::kFloat, "Step.paged: shapes");
         TORCH_CHECK(m.layers[0].w13.k == m.layers[0].qkv.k, "Step.paged: w13 and qkv take inputs of one length");
-        const int64_t B = tokens.size(0), S = tokens.size(1), W = table.size(1), *t = ptr<int64_t>(table);
-        const int64_t *p = ptr<int64_t>(pos), *tok = ptr<int64_t>(tokens);
-        for (int64_t b = 0; b < B; b++)  // what the step reads and writes through: checked first
-            for (int64_t s = 0; s < S; s++) {
-                const int64_t x = p[b * S + s], token = tok[b * S + s];
+        const int64_t W = table.size(1), *t = ptr<int64_t>(table), *p = ptr<int64_t>(pos), *tok = ptr<int64_t>(tokens);
+        const int64_t *n = ptr<int64_t>(lens), *o = ptr<int64_t>(out);
+        int64_t rows = 0;
+        for (int64_t b = 0; b < B; rows += n[b], b++) {  // what the step reads and writes through: checked first
+            TORCH_CHECK(n[b] >= 1 && rows + n[b] <= M, "Step.paged: sequence ", b, " has ", n[b], " of ", M, " rows");
+            for (int64_t s = 0; s < n[b]; s++) {
+                const int64_t i = rows + s, x = p[i], token = tok[i];
                 TORCH_CHECK(token >= 0 && token < m.out.n && x >= 0 && x < m.slots - 1 && x < W * bs &&
-                            (s == 0 || x == p[b * S + s - 1] + 1), "Step.paged: row ", b, " has token ", token,
+                            (s == 0 || x == p[i - 1] + 1), "Step.paged: row ", i, " has token ", token,
                             " at position ", x);
-                for (int64_t i = 0; i <= x / bs; i++)
-                    TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < n_blocks, "Step.paged: row ", b, "'s block ", i,
-                                " is ", t[b * W + i], ", outside the pool");
             }
-        const int64_t rows = S >= 32 ? 1 : 32 / S;  // sequences a call
-        for (int64_t b = 0; b < B; b += rows)
-            k.forward_paged(m, kp.data(), vp.data(), bs, tok + b * S, p + b * S, t + b * W, B - b < rows ? B - b : rows,
-                            S, W, ptr<float>(logits) + b * m.out.n);
+            for (int64_t i = 0; i <= p[rows + n[b] - 1] / bs; i++)
+                TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < n_blocks, "Step.paged: sequence ", b, "'s block ", i,
+                            " is ", t[b * W + i], ", outside the pool");
+        }
+        TORCH_CHECK(rows == M, "Step.paged: the lens sum to ", rows, ", not the ", M, " tokens");
+        for (int64_t r = 0; r < R; r++) TORCH_CHECK(o[r] >= 0 && o[r] < M, "Step.paged: out row ", o[r]);
+        k.forward_paged(m, kp.data(), vp.data(), bs, tok, p, n, t, B, W, o, R, ptr<float>(logits));
     }
 
     // the greedy token of logits [1, vocab]: the first largest, or -1 where one is not finite

@@ -609,6 +609,11 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
                 // are stored and scaled
                 for (int64_t b = 0; b < nb; b += 2) {
                     const bool two = b + 1 < nb;
+                    // a decode step's: the next block's line of each row asked for as this one's are read (tile
+                    // loads of rows K apart waited on memory, whose prefetcher does not see them coming)
+                    if (groups <= 2 && grp == 0)
+                        for (int r = 0; r < 32; r++)
+                            _mm_prefetch((const char*)(w0 + 32 * K + r * K + 32 * b), _MM_HINT_T0);
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_loadd(4, xg + b * 8 * g, 4 * g);

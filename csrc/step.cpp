@@ -139,13 +139,16 @@ void fast_decode::decode_step(const Model& m, int64_t token, int64_t pos, float*
 static void layer_rest(const Model& m, const Layer& l, int64_t M, const uint16_t* att, uint16_t* x, uint16_t* xn,
                        int64_t kx, uint16_t* y, uint16_t* gu, uint16_t* act, int64_t kh) {
     product(l.o, att, y, 0, M);
+    #pragma omp parallel for if (M >= 64)  // (rows are independent: both threads take a share)
     for (int64_t i = 0; i < M; i++) {
         add(x + i * m.dim, y + i * m.dim, m.dim);
         rmsnorm(x + i * m.dim, l.ffn_norm, xn + i * kx, m.dim, m.eps);
     }
     product(l.w13, xn, gu, 0, M);
+    #pragma omp parallel for if (M >= 64)
     for (int64_t i = 0; i < M; i++) silu_mul(gu + i * 2 * m.hidden, act + i * kh, m.hidden);
     product(l.w2, act, y, 0, M);
+    #pragma omp parallel for if (M >= 64)
     for (int64_t i = 0; i < M; i++) add(x + i * m.dim, y + i * m.dim, m.dim);
 }
 
@@ -163,79 +166,109 @@ void fast_decode::forward_rows(const Model& m, const int64_t* tokens, const int6
     xn.assign(M * kx, 0), att.assign(M * ka, 0), act.assign(M * kh, 0), xo.assign(M * ko, 0);
     x.resize(M * m.dim), qkv.resize(M * (qn + 2 * kvn)), q.resize(M * qn), ho.resize(M * qn), y.resize(M * m.dim);
     gu.resize(M * 2 * m.hidden);
-    for (int64_t i = 0; i < M; i++) memcpy(&x[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
+    // (in the parallel loops by pointer: there a thread_local's name is each worker's own)
+    uint16_t *X = x.data(), *XN = xn.data(), *QKV = qkv.data(), *Q = q.data(), *HO = ho.data(), *ATT = att.data();
+    for (int64_t i = 0; i < M; i++) memcpy(&X[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
     for (int64_t li = 0; li < m.n_layer; li++) {
         const Layer& l = m.layers[li];
-        for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], l.attn_norm, &xn[i * kx], m.dim, m.eps);
-        product(l.qkv, xn.data(), qkv.data(), 0, M);
+        #pragma omp parallel for if (M >= 64)
+        for (int64_t i = 0; i < M; i++) rmsnorm(&X[i * m.dim], l.attn_norm, &XN[i * kx], m.dim, m.eps);
+        product(l.qkv, XN, QKV, 0, M);
+        #pragma omp parallel for if (M >= 64)
         for (int64_t i = 0; i < M; i++) {  // bias, RoPE and the cache write a row; q to [H, M, D] for attend
-            uint16_t *qi = &qkv[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
+            uint16_t *qi = &QKV[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
             if (l.bqkv) add(qi, l.bqkv, qn + 2 * kvn);
             rope(qi, m.freqs + pos[i] * D, H, D);
             rope(k, m.freqs + pos[i] * D, Hkv, D);
-            for (int64_t h = 0; h < H; h++) memcpy(&q[(h * M + i) * D], qi + h * D, 2 * D);
+            for (int64_t h = 0; h < H; h++) memcpy(&Q[(h * M + i) * D], qi + h * D, 2 * D);
             store_kv(m, l, k, v, base + i);
         }
         if (!l.ks)
-            attend(q.data(), (uint16_t*)l.k, (uint16_t*)l.v, mask, ho.data(), 1, H, Hkv, M, L, D, Hkv * m.slots * D,
-                   m.slots * D, 0);
+            attend(Q, (uint16_t*)l.k, (uint16_t*)l.v, mask, HO, 1, H, Hkv, M, L, D, Hkv * m.slots * D, m.slots * D, 0);
         else
-            attend_int8(q.data(), (int8_t*)l.k, l.ks, (int8_t*)l.v, l.vs, mask, ho.data(), 1, H, Hkv, M, L, D,
-                        Hkv * m.slots * D, m.slots * D, Hkv * m.slots, m.slots, Hkv * m.slots * m.vb, m.slots * m.vb,
-                        0);
+            attend_int8(Q, (int8_t*)l.k, l.ks, (int8_t*)l.v, l.vs, mask, HO, 1, H, Hkv, M, L, D, Hkv * m.slots * D,
+                        m.slots * D, Hkv * m.slots, m.slots, Hkv * m.slots * m.vb, m.slots * m.vb, 0);
+        #pragma omp parallel for if (M >= 64)
         for (int64_t i = 0; i < M; i++)  // [H, M, D] back to rows
-            for (int64_t h = 0; h < H; h++) memcpy(&att[i * ka + h * D], &ho[(h * M + i) * D], 2 * D);
-        layer_rest(m, l, M, att.data(), x.data(), xn.data(), kx, y.data(), gu.data(), act.data(), kh);
+            for (int64_t h = 0; h < H; h++) memcpy(&ATT[i * ka + h * D], &HO[(h * M + i) * D], 2 * D);
+        layer_rest(m, l, M, ATT, X, XN, kx, y.data(), gu.data(), act.data(), kh);
     }
     const int64_t first = last ? M - 1 : 0;  // the rows whose logits are asked for
     for (int64_t i = first; i < M; i++) rmsnorm(&x[i * m.dim], m.norm, &xo[(i - first) * ko], m.dim, m.eps);
     product(m.out, xo.data(), logits, 1, M - first);
 }
 
-// logits [B, vocab] float32 after B sequences' next S tokens each: tokens and pos [B, S] (positions consecutive
-// within a row), sequence b's K and V in the blocks its row of table [B, W] names, of layer i's pools k_pools[i]
-// and v_pools[i] [n_blocks, Hkv, bs, D] bf16; the new tokens' K and V are written there. The engine's step (S 1:
-// decoding rows; B 1: a piece of a prompt): every weight read once for all B x S rows, each row as decode_step
-// computes it alone over a static cache of m.slots positions (the products of up to 32 rows and attend_paged are
-// batch-invariant), so however a prompt is cut into pieces, each token's K, V and logits are the same. No sliding
-// window.
+// logits [R, vocab] float32 of the rows out [R] names, after B sequences' next tokens: sequence b's lens[b] tokens
+// (rows from the sum of the lens before it) at positions pos (consecutive within a sequence), its K and V in the
+// blocks its row of table [B, W] names, of layer i's pools k_pools[i] and v_pools[i] [n_blocks, Hkv, bs, D] bf16; the
+// new tokens' K and V are written there. The engine's step: decoding rows (one token each) and pieces of prompts in
+// one pass, every weight read once for all rows, each row as decode_step computes it alone over a static cache of
+// m.slots positions (the products are batch-invariant; the attention runs the decoding rows together and each
+// prompt's piece on its own, as attend_paged computes a row alone), so however prompts are cut and batched, each
+// token's K, V and logits are the same. No sliding window.
 void fast_decode::forward_paged(const Model& m, uint16_t* const* k_pools, uint16_t* const* v_pools, int64_t bs,
-                                const int64_t* tokens, const int64_t* pos, const int64_t* table, int64_t B,
-                                int64_t S, int64_t W, float* logits) {
-    const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D, M = B * S;
+                                const int64_t* tokens, const int64_t* pos, const int64_t* lens, const int64_t* table,
+                                int64_t B, int64_t W, const int64_t* out, int64_t R, float* logits) {
+    const int64_t D = m.head_dim, H = m.n_head, Hkv = m.n_kv_head, qn = H * D, kvn = Hkv * D;
     const Layer& l0 = m.layers[0];
     // each product's input rows as long as its stored k (int4 pads with zeros), so that one call takes all rows
     const int64_t kx = l0.qkv.k, ka = l0.o.k, kh = l0.w2.k, ko = m.out.k;
     static thread_local vec<uint16_t> x, xn, qkv, q, ho, att, y, gu, act, xo;
-    xn.assign(M * kx, 0), att.assign(M * ka, 0), act.assign(M * kh, 0), xo.assign(B * ko, 0);
+    // where row i's heads go in q and ho: [ones, H, 1, D] for the sequences of one token (at their rank among
+    // them), then [H, n, D] for each longer one (at its own offset): base[i], head stride hs[i]
+    static thread_local vec<int64_t> base, hs, seq, ones_table, ones_pos;
+    int64_t M = 0, ones = 0;
+    for (int64_t b = 0; b < B; b++) M += lens[b], ones += lens[b] == 1;
+    base.resize(M), hs.resize(M), seq.resize(M), ones_table.resize(ones * W), ones_pos.resize(ones);
+    for (int64_t b = 0, i = 0, one = 0, at = ones * qn; b < B; i += lens[b], b++) {
+        if (lens[b] == 1) {
+            memcpy(&ones_table[one * W], table + b * W, W * sizeof(int64_t));
+            ones_pos[one] = pos[i], base[i] = one++ * qn, hs[i] = D, seq[i] = b;
+            continue;
+        }
+        for (int64_t s = 0; s < lens[b]; s++) base[i + s] = at + s * D, hs[i + s] = lens[b] * D, seq[i + s] = b;
+        at += lens[b] * qn;
+    }
+    xn.assign(M * kx, 0), att.assign(M * ka, 0), act.assign(M * kh, 0), xo.assign(R * ko, 0);
     x.resize(M * m.dim), qkv.resize(M * (qn + 2 * kvn)), q.resize(M * qn), ho.resize(M * qn);
     y.resize(M * m.dim), gu.resize(M * 2 * m.hidden);
-    for (int64_t i = 0; i < M; i++) memcpy(&x[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
+    // (in the parallel loops by pointer: there a thread_local's name is each worker's own)
+    uint16_t *X = x.data(), *XN = xn.data(), *QKV = qkv.data(), *Q = q.data(), *HO = ho.data(), *ATT = att.data();
+    const int64_t *at0 = base.data(), *hs0 = hs.data(), *seq0 = seq.data();
+    for (int64_t i = 0; i < M; i++) memcpy(&X[i * m.dim], m.embed + tokens[i] * m.dim, 2 * m.dim);
     for (int64_t li = 0; li < m.n_layer; li++) {
         const Layer& l = m.layers[li];
-        for (int64_t i = 0; i < M; i++) rmsnorm(&x[i * m.dim], l.attn_norm, &xn[i * kx], m.dim, m.eps);
-        product(l.qkv, xn.data(), qkv.data(), 0, M);
-        for (int64_t i = 0; i < M; i++) {  // bias, RoPE, q to [B, H, S, D], K and V into the row's block
-            uint16_t *qi = &qkv[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
-            const int64_t b = i / S, s = i % S, block = table[b * W + pos[i] / bs], off = pos[i] % bs;
+        #pragma omp parallel for if (M >= 64)
+        for (int64_t i = 0; i < M; i++) rmsnorm(&X[i * m.dim], l.attn_norm, &XN[i * kx], m.dim, m.eps);
+        product(l.qkv, XN, QKV, 0, M);
+        #pragma omp parallel for if (M >= 64)
+        for (int64_t i = 0; i < M; i++) {  // bias, RoPE, q to its attention's layout, K and V into the row's block
+            uint16_t *qi = &QKV[i * (qn + 2 * kvn)], *k = qi + qn, *v = k + kvn;
+            const int64_t block = table[seq0[i] * W + pos[i] / bs], off = pos[i] % bs;
             if (l.bqkv) add(qi, l.bqkv, qn + 2 * kvn);
             rope(qi, m.freqs + pos[i] * D, H, D);
             rope(k, m.freqs + pos[i] * D, Hkv, D);
-            for (int64_t h = 0; h < H; h++) memcpy(&q[((b * H + h) * S + s) * D], qi + h * D, 2 * D);
+            for (int64_t h = 0; h < H; h++) memcpy(&Q[at0[i] + h * hs0[i]], qi + h * D, 2 * D);
             for (int64_t h = 0; h < Hkv; h++) {
                 const int64_t at = ((block * Hkv + h) * bs + off) * D;
                 memcpy(k_pools[li] + at, k + h * D, 2 * D);
                 memcpy(v_pools[li] + at, v + h * D, 2 * D);
             }
         }
-        attend_paged(q.data(), k_pools[li], v_pools[li], table, pos, ho.data(), B, H, Hkv, S, D, W, bs, m.slots);
-        for (int64_t i = 0; i < M; i++)  // [B, H, S, D] back to rows
-            for (int64_t h = 0; h < H; h++)
-                memcpy(&att[i * ka + h * D], &ho[((i / S * H + h) * S + i % S) * D], 2 * D);
-        layer_rest(m, l, M, att.data(), x.data(), xn.data(), kx, y.data(), gu.data(), act.data(), kh);
+        if (ones)
+            attend_paged(Q, k_pools[li], v_pools[li], ones_table.data(), ones_pos.data(), HO, ones, H, Hkv, 1, D, W,
+                         bs, m.slots);
+        for (int64_t b = 0, i = 0; b < B; i += lens[b], b++)
+            if (lens[b] > 1)
+                attend_paged(&Q[at0[i]], k_pools[li], v_pools[li], table + b * W, pos + i, &HO[at0[i]], 1, H, Hkv,
+                             lens[b], D, W, bs, m.slots);
+        #pragma omp parallel for if (M >= 64)
+        for (int64_t i = 0; i < M; i++)  // back to rows
+            for (int64_t h = 0; h < H; h++) memcpy(&ATT[i * ka + h * D], &HO[at0[i] + h * hs0[i]], 2 * D);
+        layer_rest(m, l, M, ATT, X, XN, kx, y.data(), gu.data(), act.data(), kh);
     }
-    for (int64_t b = 0; b < B; b++) rmsnorm(&x[(b * S + S - 1) * m.dim], m.norm, &xo[b * ko], m.dim, m.eps);
-    product(m.out, xo.data(), logits, 1, B);
+    for (int64_t r = 0; r < R; r++) rmsnorm(&x[out[r] * m.dim], m.norm, &xo[r * ko], m.dim, m.eps);
+    if (R) product(m.out, xo.data(), logits, 1, R);
 }
 
 // the greedy token of logits [V]: the first index of the largest (torch.argmax's), or -1 where one is not finite

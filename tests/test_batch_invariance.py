@@ -209,3 +209,20 @@ def test_the_cpp_steps_verify_rows_compute_what_its_one_token_step_computes(kern
         for i, t in enumerate(path):
             got = one(torch.tensor([[t]]), torch.tensor([base + i]))[0]
         assert torch.equal(got, many[node]), node
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@torch.inference_mode()
+def test_the_cpp_steps_rows_of_a_prompt_piece_compute_what_its_one_token_step_computes(kernels, weights):
+    """A prompt's piece of 100 positions in one pass (its attention split into groups of positions) gives each
+    position the one-token step's logits, bit for bit."""
+    import cpu_step
+    from backend import Backend
+    model = bf16_model(64, None, weights)
+    rng = random.Random(5)
+    base, tokens = 40, [rng.randrange(64) for _ in range(140)]
+    prefill(model, tokens[:base])
+    many = Backend(model).verify(torch.tensor([tokens[base:]]), torch.arange(base, len(tokens)), 0).clone()
+    one = cpu_step.step_for(model)
+    for i, t in enumerate(tokens[base:]):
+        assert torch.equal(one(torch.tensor([[t]]), torch.tensor([base + i]))[0], many[i]), i

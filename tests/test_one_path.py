@@ -32,7 +32,7 @@ def test_top_p_alone_samples_the_same_alone_and_in_a_batch(llm):
 
 @pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
 def test_greedy_tokens_are_the_same_alone_speculated_and_batched(mode, tmp_path):
-    """Prompts shorter and longer than a prefill piece (128 positions; int4's 32) and than the engine's chunk
+    """Prompts shorter and longer than a prefill piece (512 positions; int4's 32 off AMX) and than the engine's chunk
     (512 tokens a step), alone, speculated and as one batch."""
     from fast_decode import LLM
     from quantize_checkpoint import quantize_checkpoint
