@@ -548,6 +548,14 @@ static inline void sums_into(__m512* acc, const int32_t* c, int64_t g, const flo
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
 }
 
+// sums_into for 16 weight rows (of g > 1 rows of x): c [16][16]
+static inline void sums16_into(__m512* acc, const int32_t* c, const float* d) {
+    const __m512 db = _mm512_load_ps(d);
+    #pragma GCC unroll 16
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
+}
+
 // The output head's int8 product (f32) with AMX: each block of 32 weight rows made bf16 (exactly, bf16_of_i8) in
 // scratch, then the bf16 product's tiles (amx.h's tile32) over it: every product exact, one fp32 chain per output
 // along K whatever the rows beside it, then the weight row's scale.
@@ -603,6 +611,38 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
             for (int64_t grp = 0; grp < groups; grp++) {
                 const uint32_t* xg = &xb[grp * nb * 8 * g];
                 const float* dg = &d[grp * nb * 16];
+                if (g > 1) {  // 16 weight rows at a time: their 16 sums' vectors stay in registers (32 spilled)
+                    for (int h = 0; h < 2; h++) {
+                        const int8_t* wh = w0 + 16 * h * K;
+                        __m512 acc[16];
+                        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                        for (int64_t b = 0; b < nb; b += 2) {  // two blocks a step, in C tiles 0 and 5
+                            const bool two = b + 1 < nb;
+                            if (groups <= 2 && grp == 0 && h == 0)  // (the next block's rows: see below)
+                                for (int r = 0; r < 32; r++)
+                                    _mm_prefetch((const char*)(w0 + 32 * K + r * K + 32 * b), _MM_HINT_T0);
+                            _tile_zero(0);
+                            _tile_loadd(4, xg + b * 8 * g, 4 * g);
+                            _tile_loadd(2, wh + 32 * b, K);
+                            _tile_dpbssd(0, 2, 4);
+                            if (two) {
+                                _tile_zero(5);
+                                _tile_loadd(7, xg + (b + 1) * 8 * g, 4 * g);
+                                _tile_loadd(3, wh + 32 * (b + 1), K);
+                                _tile_dpbssd(5, 3, 7);
+                            }
+                            _tile_stored(0, c, 64);
+                            sums16_into(acc, c, dg + 16 * b);
+                            if (two) {
+                                _tile_stored(5, c, 64);
+                                sums16_into(acc, c, dg + 16 * (b + 1));
+                            }
+                        }
+                        for (int r = 0; r < 16; r++) _mm512_store_ps(o + 16 * (16 * h + r), acc[r]);
+                    }
+                    put_block(y, o, g, grp * g, M, N, n0, rows, scales, f32);
+                    continue;
+                }
                 __m512 acc[32];  // g 1: acc[0], acc[1] by weight row; else acc[r] by row of x, weight row r's
                 for (int r = 0; r < 32; r++) acc[r] = _mm512_setzero_ps();
                 // two blocks a step, in C tiles 0, 1 and 5, 6: the second's products run while the first's sums
