@@ -993,6 +993,37 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
             }
             for (int64_t grp = 0; grp < groups; grp++) {
                 const uint32_t* xg = &xb[grp * (K / 4) * g];
+                if (g > 1) {  // 16 weight rows at a time: their 16 sums' vectors stay in registers (32 spilled)
+                    for (int h = 0; h < 2; h++) {
+                        const uint8_t* uh = &u[16 * h * K];
+                        __m512 acc[16];
+                        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+                        for (int64_t b = 0; b < ng; b++) {
+                            _tile_zero(0);
+                            for (int64_t k = b * G; k < (b + 1) * G; k += 64) {
+                                _tile_loadd(4, xg + k / 4 * g, 4 * g);
+                                _tile_loadd(2, uh + k, K);
+                                _tile_dpbusd(0, 2, 4);
+                            }
+                            _tile_stored(0, c, 64);
+                            const float* v = &dcs[(grp * ng + b) * 48];  // as scale_group (below) takes them
+                            const float* sb = &sz[b + 16 * h * ng];
+                            const __m512 d = _mm512_load_ps(v), cx = _mm512_load_ps(v + 16);
+                            const __m512 sx = _mm512_load_ps(v + 32);
+                            #pragma GCC unroll 16
+                            for (int r = 0; r < 16; r++) {
+                                const __m512 s = _mm512_set1_ps(sb[r * ng]);
+                                const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
+                                acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(s, d), acc[r]);
+                                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sb[(32 + r) * ng]), sx, acc[r]);
+                                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(-8.f)), cx, acc[r]);
+                            }
+                        }
+                        for (int r = 0; r < 16; r++) _mm512_store_ps(o + 16 * (16 * h + r), acc[r]);
+                    }
+                    put_block(y, o, g, grp * g, M, N, n0, rows, nullptr, f32);
+                    continue;
+                }
                 __m512 acc[32];  // g 1: acc[0], acc[1] by weight row; else acc[r] by row of x, weight row r's
                 for (int r = 0; r < 32; r++) acc[r] = _mm512_setzero_ps();
                 // group b's 32 x g int32 sums in c (g 1: side by side) into acc
