@@ -535,20 +535,14 @@ static void pack_quads(const std::vector<XQ>& xq, int64_t M, int64_t K, int64_t 
     }
 }
 
-// a block's 32 x g int32 sums c (as gemv_int8_amx stores them) converted and added times x's scales d into acc
-static inline void sums_into(__m512* acc, const int32_t* c, int64_t g, const float* d) {
-    if (g == 1) {
-        const __m512 db = _mm512_set1_ps(d[0]);
-        for (int h = 0; h < 2; h++)
-            acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), db, acc[h]);
-        return;
-    }
-    const __m512 db = _mm512_load_ps(d);
-    for (int r = 0; r < 32; r++)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), db, acc[r]);
+// a block's int32 sums c (as gemv_int8_amx stores them) converted and added times x's scales d into acc: for one
+// row of x, the 32 weight rows' side by side (acc[0], acc[1])
+static inline void sums_into(__m512* acc, const int32_t* c, const float* d) {
+    const __m512 db = _mm512_set1_ps(d[0]);
+    for (int h = 0; h < 2; h++) acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), db, acc[h]);
 }
 
-// sums_into for 16 weight rows (of g > 1 rows of x): c [16][16]
+// for 16 weight rows of more rows of x: c [16][16] (weight row, row of x), acc[r] weight row r's
 static inline void sums16_into(__m512* acc, const int32_t* c, const float* d) {
     const __m512 db = _mm512_load_ps(d);
     #pragma GCC unroll 16
@@ -611,6 +605,9 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
             for (int64_t grp = 0; grp < groups; grp++) {
                 const uint32_t* xg = &xb[grp * nb * 8 * g];
                 const float* dg = &d[grp * nb * 16];
+                // a decode step's: the next block's line of each row asked for as this one's are read (tile loads
+                // of rows K apart waited on memory, whose prefetcher does not see them coming)
+                const bool ahead = groups <= 2 && grp == 0;
                 if (g > 1) {  // 16 weight rows at a time: their 16 sums' vectors stay in registers (32 spilled)
                     for (int h = 0; h < 2; h++) {
                         const int8_t* wh = w0 + 16 * h * K;
@@ -618,7 +615,7 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
                         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
                         for (int64_t b = 0; b < nb; b += 2) {  // two blocks a step, in C tiles 0 and 5
                             const bool two = b + 1 < nb;
-                            if (groups <= 2 && grp == 0 && h == 0)  // (the next block's rows: see below)
+                            if (ahead && h == 0)
                                 for (int r = 0; r < 32; r++)
                                     _mm_prefetch((const char*)(w0 + 32 * K + r * K + 32 * b), _MM_HINT_T0);
                             _tile_zero(0);
@@ -643,15 +640,13 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
                     put_block(y, o, g, grp * g, M, N, n0, rows, scales, f32);
                     continue;
                 }
-                __m512 acc[32];  // g 1: acc[0], acc[1] by weight row; else acc[r] by row of x, weight row r's
-                for (int r = 0; r < 32; r++) acc[r] = _mm512_setzero_ps();
-                // two blocks a step, in C tiles 0, 1 and 5, 6: the second's products run while the first's sums
-                // are stored and scaled
+                // one row of x: both halves a pass, the 32 sums side by side (acc[0], acc[1] by weight row); two
+                // blocks a step, in C tiles 0, 1 and 5, 6: the second's products run while the first's sums are
+                // stored and scaled
+                __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
                 for (int64_t b = 0; b < nb; b += 2) {
                     const bool two = b + 1 < nb;
-                    // a decode step's: the next block's line of each row asked for as this one's are read (tile
-                    // loads of rows K apart waited on memory, whose prefetcher does not see them coming)
-                    if (groups <= 2 && grp == 0)
+                    if (ahead)
                         for (int r = 0; r < 32; r++)
                             _mm_prefetch((const char*)(w0 + 32 * K + r * K + 32 * b), _MM_HINT_T0);
                     _tile_zero(0);
@@ -670,17 +665,16 @@ static void gemv_int8_amx(const std::vector<XQ>& xq, const int8_t* w, const uint
                         _tile_loadd(3, w0 + 16 * K + 32 * (b + 1), K);
                         _tile_dpbssd(6, 3, 7);
                     }
-                    const int64_t st = g == 1 ? 4 : 64;  // one row of x: the 32 sums side by side in c
-                    _tile_stored(0, c, st);
-                    _tile_stored(1, c + (g == 1 ? 16 : 256), st);
-                    sums_into(acc, c, g, dg + 16 * b);
+                    _tile_stored(0, c, 4);
+                    _tile_stored(1, c + 16, 4);
+                    sums_into(acc, c, dg + 16 * b);
                     if (two) {
-                        _tile_stored(5, c, st);
-                        _tile_stored(6, c + (g == 1 ? 16 : 256), st);
-                        sums_into(acc, c, g, dg + 16 * (b + 1));
+                        _tile_stored(5, c, 4);
+                        _tile_stored(6, c + 16, 4);
+                        sums_into(acc, c, dg + 16 * (b + 1));
                     }
                 }
-                for (int r = 0; r < (g == 1 ? 2 : 32); r++) _mm512_store_ps(o + 16 * r, acc[r]);
+                for (int h = 0; h < 2; h++) _mm512_store_ps(o + 16 * h, acc[h]);
                 put_block(y, o, g, grp * g, M, N, n0, rows, scales, f32);
             }
         }
@@ -1024,36 +1018,23 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
                     put_block(y, o, g, grp * g, M, N, n0, rows, nullptr, f32);
                     continue;
                 }
-                __m512 acc[32];  // g 1: acc[0], acc[1] by weight row; else acc[r] by row of x, weight row r's
-                for (int r = 0; r < 32; r++) acc[r] = _mm512_setzero_ps();
-                // group b's 32 x g int32 sums in c (g 1: side by side) into acc
-                auto scale_group = [&](int64_t b) {
+                // one row of x: both halves a pass, the 32 sums side by side (acc[0], acc[1] by weight row)
+                __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                auto scale_group = [&](int64_t b) {  // group b's 32 int32 sums in c into acc
                     const float* v = &dcs[(grp * ng + b) * 48];  // d, c, sum x by row of x
                     const float* sb = &sz[b];  // weight row r's scale sb[r ng], its zero sb[(32 + r) ng]
-                    if (g == 1) {
-                        for (int h = 0; h < 2; h++) {
-                            const __m512 s = _mm512_i32gather_ps(by_row, sb + 16 * h * ng, 4);
-                            const __m512 z = _mm512_i32gather_ps(by_row, sb + (32 + 16 * h) * ng, 4);
-                            const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(v[0]));
-                            acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), sd, acc[h]);
-                            acc[h] = _mm512_fmadd_ps(z, _mm512_set1_ps(v[32]), acc[h]);
-                            const __m512 s8 = _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
-                            acc[h] = _mm512_fmadd_ps(s8, _mm512_set1_ps(v[16]), acc[h]);
-                        }
-                        return;
-                    }
-                    const __m512 d = _mm512_load_ps(v), cx = _mm512_load_ps(v + 16), sx = _mm512_load_ps(v + 32);
-                    for (int r = 0; r < 32; r++) {
-                        const __m512 s = _mm512_set1_ps(sb[r * ng]);
-                        const __m512 sums = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r));
-                        acc[r] = _mm512_fmadd_ps(sums, _mm512_mul_ps(s, d), acc[r]);
-                        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sb[(32 + r) * ng]), sx, acc[r]);
-                        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(-8.f)), cx, acc[r]);
+                    for (int h = 0; h < 2; h++) {
+                        const __m512 s = _mm512_i32gather_ps(by_row, sb + 16 * h * ng, 4);
+                        const __m512 z = _mm512_i32gather_ps(by_row, sb + (32 + 16 * h) * ng, 4);
+                        const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(v[0]));
+                        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * h)), sd, acc[h]);
+                        acc[h] = _mm512_fmadd_ps(z, _mm512_set1_ps(v[32]), acc[h]);
+                        const __m512 s8 = _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
+                        acc[h] = _mm512_fmadd_ps(s8, _mm512_set1_ps(v[16]), acc[h]);
                     }
                 };
                 // two groups a step, in C tiles 0, 1 and 5, 6: the second's products run while the first's sums
                 // are stored and scaled
-                const int64_t st = g == 1 ? 4 : 64, c1 = g == 1 ? 16 : 256;
                 for (int64_t b = 0; b < ng; b += 2) {
                     const bool two = b + 1 < ng;
                     _tile_zero(0);
@@ -1076,16 +1057,16 @@ static void gemv_int4_amx(const std::vector<XQ>& xq, const uint8_t* w, const uin
                             _tile_dpbusd(6, 3, 7);
                         }
                     }
-                    _tile_stored(0, c, st);
-                    _tile_stored(1, c + c1, st);
+                    _tile_stored(0, c, 4);
+                    _tile_stored(1, c + 16, 4);
                     scale_group(b);
                     if (two) {
-                        _tile_stored(5, c, st);
-                        _tile_stored(6, c + c1, st);
+                        _tile_stored(5, c, 4);
+                        _tile_stored(6, c + 16, 4);
                         scale_group(b + 1);
                     }
                 }
-                for (int r = 0; r < (g == 1 ? 2 : 32); r++) _mm512_store_ps(o + 16 * r, acc[r]);
+                for (int h = 0; h < 2; h++) _mm512_store_ps(o + 16 * h, acc[h]);
                 put_block(y, o, g, grp * g, M, N, n0, rows, nullptr, f32);
             }
         }
